@@ -1,0 +1,55 @@
+"""mgtutor: run data-parallel PyTorch workers from a notebook cell and see what they do.
+
+The workbook's helper package. Its modules, in the order the notebooks meet them:
+
+* :mod:`mgtutor.launch`: :func:`launch` starts one process per rank from a cell.
+* :mod:`mgtutor.worker`: :func:`setup` joins the process group inside a worker (also under
+  torchrun and SLURM).
+* :mod:`mgtutor.run`: :class:`Run`, what a launch returns.
+* :mod:`mgtutor.errors`: :class:`WorkerError` and :class:`WorkerTimeout`.
+* :mod:`mgtutor.progress`: :func:`progress`, per-rank progress bars.
+* :mod:`mgtutor.timing`: :func:`phase`, :func:`step`, :class:`StepTimer`.
+* :mod:`mgtutor.memory`: what the per-rank memory figures count.
+* :mod:`mgtutor.plots`: :func:`plot_memory`, :func:`plot_timeline`, :func:`plot_step_times`,
+  :func:`plot_scaling`.
+* :mod:`mgtutor.hardware`: :func:`describe_hardware`, what this machine offers.
+* :mod:`mgtutor.data`: an offline dataset that learns, and CIFAR-10 where available.
+
+Importing mgtutor does not import torch or matplotlib: every worker imports this package
+first, and a worker's start-up time is the floor of every launch.
+"""
+
+from mgtutor.errors import WorkerError, WorkerTimeout
+from mgtutor.hardware import HardwareInfo, describe_hardware
+from mgtutor.launch import launch
+from mgtutor.memory import MemoryStats
+from mgtutor.plots import plot_memory, plot_scaling, plot_step_times, plot_timeline
+from mgtutor.progress import progress
+from mgtutor.run import RankResult, Run
+from mgtutor.timing import PhaseRecord, StepTimer, phase, step, timer
+from mgtutor.worker import backend_for, get_contract, setup, teardown
+
+__all__ = [
+    "HardwareInfo",
+    "MemoryStats",
+    "PhaseRecord",
+    "RankResult",
+    "Run",
+    "StepTimer",
+    "WorkerError",
+    "WorkerTimeout",
+    "backend_for",
+    "describe_hardware",
+    "get_contract",
+    "launch",
+    "phase",
+    "plot_memory",
+    "plot_scaling",
+    "plot_step_times",
+    "plot_timeline",
+    "progress",
+    "setup",
+    "step",
+    "teardown",
+    "timer",
+]

@@ -1,0 +1,425 @@
+"""The parent's watch over running workers: relay output, notice faults, clean up.
+
+One loop in the calling thread waits on every worker's pipes and process handle at once. It
+prints each complete line a worker wrote as ``[rank r] ...`` (so lines from two ranks never mix,
+and output reaches the cell even under nbval, where ipykernel does not forward child output),
+passes progress reports to the bars, and collects results. When a rank fails, the launch runs
+past its timeout, or the cell is interrupted, it stops every rank (SIGTERM, then SIGKILL after a
+second), including processes the ranks started themselves, and says what it stopped.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from mgtutor.errors import WorkerError, WorkerTimeout
+from mgtutor.progress import ProgressBoard
+
+_POLL_S = 0.1
+_TERM_GRACE_S = 1.0
+_DRAIN_GRACE_S = 1.0
+_STACK_WAIT_S = 2.0
+_MAX_FRAMES = 16
+
+_SIGNAL_HINTS = {
+    "SIGKILL": (
+        " SIGKILL is what the Linux out-of-memory killer sends: if nobody killed it by hand, the "
+        "rank probably ran out of memory (check `dmesg`, or lower the batch size)."
+    ),
+    "SIGSEGV": " A crash in native code (a C++/CUDA extension, or memory corruption).",
+}
+
+
+@dataclass
+class RankHandle:
+    """The parent's view of one worker process."""
+
+    rank: int
+    process: BaseProcess
+    conn: Connection
+    pipes: dict[str, Connection]
+    partial: dict[str, bytes] = field(default_factory=dict)
+    diag: bytearray = field(default_factory=bytearray)
+    main_ident: int | None = None
+    done: tuple[bytes, dict[str, Any]] | None = None
+    error: tuple[Any, ...] | None = None
+    failed_at: float | None = None
+    exitcode: int | None = None
+    conn_open: bool = True
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        self.open_pipes = set(self.pipes)
+
+
+class Supervisor:
+    """Watches the ranks of one launch until they all finish, or stops them all."""
+
+    def __init__(self, board: ProgressBoard, timeout: float | None) -> None:
+        self.handles: list[RankHandle] = []
+        self.board = board
+        self.timeout = timeout
+
+    def add(self, handle: RankHandle) -> None:
+        """Watch one more started rank."""
+        self.handles.append(handle)
+
+    # --- the loop ---------------------------------------------------------------------------
+
+    def run(self) -> list[RankHandle]:
+        """Relay and watch until every rank returned; raise WorkerError on the first fault."""
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        try:
+            while True:
+                self._pump(_POLL_S)
+                self._reap()
+                if any(h.failed_at is not None for h in self.handles):
+                    self._raise_failure()
+                if all(h.done is not None and h.exitcode == 0 for h in self.handles):
+                    self._drain(_DRAIN_GRACE_S)
+                    self._stop_leftovers()
+                    self.board.finish(None)
+                    return self.handles
+                if deadline is not None and time.monotonic() > deadline:
+                    self._raise_timeout()
+        except KeyboardInterrupt:
+            cleanup = self._stop_all()
+            self._drain(0.2)
+            print(f"Interrupted. {cleanup}", file=sys.stderr, flush=True)
+            self.board.finish(-1)
+            raise
+
+    def _watched(self) -> dict[Any, tuple[RankHandle, str]]:
+        watched: dict[Any, tuple[RankHandle, str]] = {}
+        for h in self.handles:
+            if h.closed:
+                continue
+            if h.conn_open:
+                watched[h.conn] = (h, "conn")
+            for name in h.open_pipes:
+                watched[h.pipes[name]] = (h, name)
+            if h.exitcode is None:
+                watched[h.process.sentinel] = (h, "exit")
+        return watched
+
+    def _pump(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for anything from the ranks and handle it; True if any came."""
+        watched = self._watched()
+        if not watched:
+            time.sleep(timeout)
+            return False
+        ready = wait(list(watched), timeout)
+        for obj in ready:
+            handle, what = watched[obj]
+            if what == "conn":
+                self._receive(handle)
+            elif what != "exit":
+                self._read_pipe(handle, what)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return bool(ready)
+
+    def _read_pipe(self, h: RankHandle, name: str) -> None:
+        try:
+            data = os.read(h.pipes[name].fileno(), 65536)
+        except OSError:
+            data = b""
+        if name == "diag":
+            if data:
+                h.diag += data
+            else:
+                h.open_pipes.discard(name)
+            return
+        buffered = h.partial.get(name, b"") + data
+        *lines, rest = buffered.split(b"\n")
+        if not data:  # end of file: what is left is a last line without a newline
+            lines, rest = ([*lines, rest] if rest else lines), b""
+            h.open_pipes.discard(name)
+        h.partial[name] = rest
+        target = sys.stdout if name == "stdout" else sys.stderr
+        for line in lines:
+            text = line.decode("utf-8", "replace").rstrip("\r")
+            target.write(f"[rank {h.rank}] {text}\n")
+
+    def _receive(self, h: RankHandle) -> None:
+        try:
+            message = h.conn.recv()
+        except (EOFError, OSError):
+            h.conn_open = False
+            return
+        kind, *body = message
+        if kind == "hello":
+            h.main_ident = body[1]
+        elif kind == "progress":
+            self.board.update(h.rank, *body)
+        elif kind == "done":
+            h.done = (body[0], body[1])
+        elif kind == "error":
+            h.error = tuple(body)
+            h.failed_at = body[5]
+
+    def _reap(self) -> None:
+        for h in self.handles:
+            if h.exitcode is not None or h.process.is_alive():
+                continue
+            h.process.join(0)
+            h.exitcode = h.process.exitcode
+            while h.conn_open and self._poll(h.conn):
+                self._receive(h)
+            if h.failed_at is None and (h.exitcode != 0 or h.done is None):
+                h.failed_at = time.perf_counter()
+
+    @staticmethod
+    def _poll(conn: Connection) -> bool:
+        try:
+            return conn.poll(0)
+        except (EOFError, OSError):
+            return False
+
+    # --- faults -----------------------------------------------------------------------------
+
+    def _raise_failure(self) -> None:
+        # Let near-simultaneous reports arrive, then blame the rank that failed first: when one
+        # rank dies, its peers often fail a moment later with "connection closed by peer".
+        settle_until = time.monotonic() + 0.2
+        while time.monotonic() < settle_until and self._pump(0.05):
+            self._reap()
+        self._reap()
+        failed = [h for h in self.handles if h.failed_at is not None]
+        first = min(failed, key=lambda h: h.failed_at or 0.0)
+        cleanup = self._stop_all(primary=first)
+        self._drain(_DRAIN_GRACE_S)
+        self.board.finish(first.rank)
+        raise self._describe(first, cleanup)
+
+    def _describe(self, h: RankHandle, cleanup: str) -> WorkerError:
+        if h.error is not None:
+            exc_type, message, tb, original_blob, context, _ = h.error
+            original = None
+            if original_blob is not None:
+                try:
+                    import cloudpickle
+
+                    original = cloudpickle.loads(original_blob)
+                except Exception:
+                    original = None
+            if context == "raised":
+                summary = f"rank {h.rank} raised {exc_type}: {message}"
+            else:
+                summary = f"rank {h.rank} {context}: {exc_type}: {message}"
+            return WorkerError(
+                summary,
+                rank=h.rank,
+                exc_type=exc_type,
+                exc_message=message,
+                worker_traceback=tb,
+                exitcode=h.exitcode,
+                cleanup=cleanup,
+                original=original,
+            )
+        code = h.exitcode
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name
+            summary = (
+                f"rank {h.rank} was killed by signal {name} ({-code}).{_SIGNAL_HINTS.get(name, '')}"
+            )
+            return WorkerError(
+                summary, rank=h.rank, exitcode=code, signal_name=name, cleanup=cleanup
+            )
+        if code == 0:
+            summary = f"rank {h.rank} exited without returning a result (its process ended early)."
+        else:
+            summary = (
+                f"rank {h.rank} exited with code {code} before returning a result "
+                f"(os._exit, or a failure while the worker started; its last output is above)."
+            )
+        return WorkerError(summary, rank=h.rank, exitcode=code, cleanup=cleanup)
+
+    def _raise_timeout(self) -> None:
+        running = [h for h in self.handles if h.process.is_alive() and h.done is None]
+        for h in running:
+            try:
+                os.kill(h.process.pid, signal.SIGUSR1)  # faulthandler dumps the stack
+            except ProcessLookupError:
+                pass
+        self._collect_stacks(running)
+        stacks = {h.rank: _format_stack(bytes(h.diag), h.main_ident) for h in running}
+        cleanup = self._stop_all()
+        self._drain(_DRAIN_GRACE_S)
+        self.board.finish(running[0].rank if running else -1)
+        names = ", ".join(str(h.rank) for h in running) or "none"
+        raise WorkerTimeout(
+            f"The launch ran past its timeout of {self.timeout:g} s; ranks still running: "
+            f"{names}. A rank that waits in a collective (all_reduce, barrier, ...) that another "
+            f"rank never calls waits until it is stopped: look at the stacks below.",
+            running=[h.rank for h in running],
+            stacks=stacks,
+            cleanup=cleanup,
+        )
+
+    def _collect_stacks(self, running: list[RankHandle]) -> None:
+        until = time.monotonic() + _STACK_WAIT_S
+        while time.monotonic() < until:
+            before = [len(h.diag) for h in running]
+            self._pump(0.3)
+            grew = any(len(h.diag) != n for h, n in zip(running, before))
+            if all(h.diag for h in running) and not grew:
+                return
+
+    # --- cleanup ----------------------------------------------------------------------------
+
+    def _descendants(self) -> list[Any]:
+        import psutil
+
+        found = []
+        for h in self.handles:
+            try:
+                found += psutil.Process(h.process.pid).children(recursive=True)
+            except psutil.Error:
+                pass
+        return found
+
+    def _signal_rank(self, h: RankHandle, sig: int) -> None:
+        pid = h.process.pid
+        if pid is None:
+            return
+        try:
+            os.killpg(pid, sig)  # the rank made its own process group at start
+        except ProcessLookupError:
+            if h.process.is_alive():  # killed before it could make its group
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+        except PermissionError:
+            pass
+
+    def _stop_all(self, primary: RankHandle | None = None) -> str:
+        """Stop every rank still running and everything it started; say what was stopped."""
+        import psutil
+
+        alive = [h for h in self.handles if h.process.pid is not None and h.process.is_alive()]
+        descendants = self._descendants()
+        for h in alive:
+            self._signal_rank(h, signal.SIGTERM)
+        until = time.monotonic() + _TERM_GRACE_S
+        while time.monotonic() < until and any(h.process.is_alive() for h in alive):
+            wait([h.process.sentinel for h in alive if h.process.is_alive()], 0.05)
+        notes = []
+        for h in alive:
+            if h is not primary:
+                how = "SIGTERM" if not h.process.is_alive() else "SIGKILL"
+                notes.append(f"stopped rank {h.rank} (ended by {how})")
+        for h in self.handles:
+            self._signal_rank(h, signal.SIGKILL)
+        for p in descendants:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        for h in self.handles:
+            h.process.join(5)
+            if h.exitcode is None and not h.process.is_alive():
+                h.exitcode = h.process.exitcode
+        psutil.wait_procs(descendants, timeout=2)
+        left = [h.rank for h in self.handles if h.process.is_alive()]
+        left_children = [p.pid for p in descendants if _still_running(p)]
+        for h in self.handles:
+            if h is primary or h in alive:
+                continue
+            if h.error is not None and h.failed_at is not None:
+                notes.append(
+                    f"rank {h.rank} had already failed ({h.error[0]}: {_first_line(h.error[1])})"
+                )
+            elif h.done is not None:
+                notes.append(f"rank {h.rank} had finished")
+        stopped = "Cleanup: " + "; ".join(notes) + "." if notes else ""
+        if left or left_children:
+            return f"{stopped} Still running despite SIGKILL: ranks {left}, pids {left_children}."
+        return f"{stopped} No process of this launch is left running.".lstrip()
+
+    def _stop_leftovers(self) -> None:
+        """After success: end processes a rank started and left behind, and say so."""
+        import psutil
+
+        leftovers = self._descendants()
+        for h in self.handles:
+            self._signal_rank(h, signal.SIGKILL)
+        if leftovers:
+            psutil.wait_procs(leftovers, timeout=2)
+            pids = ", ".join(str(p.pid) for p in leftovers)
+            print(f"mgtutor: stopped processes the ranks left running: {pids}", file=sys.stderr)
+
+    def _drain(self, grace: float) -> None:
+        """Relay what the ranks wrote before they ended, until their pipes close or ``grace``."""
+        until = time.monotonic() + grace
+        while time.monotonic() < until and any(h.open_pipes - {"diag"} for h in self.handles):
+            self._pump(0.05)
+            self._reap()
+
+    def close(self) -> None:
+        """Make sure nothing of this launch is left: kill what runs, close every pipe."""
+        if any(h.process.pid is not None and h.process.is_alive() for h in self.handles):
+            self._stop_all()
+        for h in self.handles:
+            if h.process.pid is not None:
+                h.process.join(1)
+            for conn in (h.conn, *h.pipes.values()):
+                conn.close()
+            h.closed = True
+            try:
+                h.process.close()
+            except ValueError:
+                pass
+
+
+_FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
+
+
+def _format_stack(dump: bytes, main_ident: int | None) -> str:
+    """Pick the main thread out of a faulthandler dump and add each frame's source line."""
+    text = dump.decode("utf-8", "replace")
+    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text.strip())
+    chosen = blocks
+    if main_ident is not None:
+        mark = f"0x{main_ident:016x}"
+        chosen = [b for b in blocks if mark in b.splitlines()[0]] or blocks
+    frames = []
+    for block in chosen:
+        for line in block.splitlines()[1:]:
+            frame = _FRAME.match(line)
+            if frame is None or frame["file"].startswith("<frozen "):
+                continue
+            if frame["func"] == "_worker_entry":
+                break  # below this are multiprocessing's bootstrap frames
+            text = f'  File "{frame["file"]}", line {frame["line"]}, in {frame["func"]}'
+            source = linecache.getline(frame["file"], int(frame["line"])).strip()
+            frames.append(f"{text}\n    {source}" if source else text)
+    if len(frames) > _MAX_FRAMES:
+        # Keep the innermost frames (what it waits in) and the outermost (the user's fn).
+        hidden = len(frames) - _MAX_FRAMES
+        frames = [*frames[:6], f"  ... {hidden} frames omitted ...", *frames[-(_MAX_FRAMES - 6) :]]
+    return "\n".join(frames)
+
+
+def _still_running(process: Any) -> bool:
+    import psutil
+
+    try:
+        return bool(process.is_running() and process.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= 120 else line[:117] + "..."

@@ -1,0 +1,143 @@
+"""Per-rank peak memory: what the CUDA caching allocator held, or what the process occupied.
+
+Two different things are measured, and the plots label which:
+
+* On a GPU rank: ``torch.cuda.max_memory_allocated`` (bytes held by live tensors at their peak)
+  and ``torch.cuda.max_memory_reserved`` (bytes the caching allocator took from the driver at
+  its peak; always at least the allocated figure). Both count this process's tensors on this
+  rank's device only: not the CUDA context (a few hundred MiB per process, visible in
+  ``nvidia-smi``), and not other processes on the same GPU.
+* On every rank: the process's resident set size (RSS) when fn started and its peak RSS while
+  fn ran. RSS counts the whole worker process: the Python interpreter and torch's libraries
+  (several hundred MiB once torch is imported) plus fn's CPU tensors. It does not count
+  DataLoader worker processes, which are separate processes. On Linux the peak is the kernel's
+  high-water mark (``VmHWM``), reset just before fn starts, so it covers fn alone; where it
+  cannot be reset (macOS, some sandboxes) it is the peak over the process's whole life, and
+  :attr:`MemoryStats.peak_rss_since_start` says so.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+
+__all__ = [
+    "MemoryStats",
+    "current_rss",
+    "format_bytes",
+    "measure",
+    "peak_rss",
+    "reset_cuda_peaks",
+    "reset_peak_rss",
+]
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """One rank's memory figures in bytes (see the module docstring for what each counts).
+
+    Attributes:
+        device: the rank's device ("cpu", "cuda:0", ...).
+        rss_at_start: resident memory of the worker process when fn started.
+        peak_rss: the worker process's peak resident memory while fn ran.
+        peak_allocated: on a GPU rank, peak bytes held by tensors on its device; else None.
+        peak_reserved: on a GPU rank, peak bytes reserved by the caching allocator; else None.
+        peak_rss_since_start: True where the RSS peak could not be reset before fn, so it
+            covers the process's whole life (its start-up included).
+    """
+
+    device: str
+    rss_at_start: int
+    peak_rss: int
+    peak_allocated: int | None = None
+    peak_reserved: int | None = None
+    peak_rss_since_start: bool = False
+
+    @property
+    def is_cuda(self) -> bool:
+        """True when the GPU allocator figures were measured."""
+        return self.peak_allocated is not None
+
+    def headline(self) -> int:
+        """The figure a table shows first: peak reserved on a GPU, peak RSS on the CPU."""
+        return self.peak_reserved if self.peak_reserved is not None else self.peak_rss
+
+
+def current_rss() -> int:
+    """Resident memory of this process now, in bytes."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def reset_peak_rss() -> bool:
+    """Restart this process's RSS high-water mark from its current RSS (Linux only).
+
+    Returns:
+        True if the mark was reset; False where the kernel offers no way to do it.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5" resets the peak RSS, see the kernel's proc(5) manual page
+        return True
+    except OSError:
+        return False
+
+
+def reset_cuda_peaks() -> None:
+    """Restart the CUDA allocator's peak counters, if this process has already used CUDA."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def peak_rss() -> int:
+    """Peak resident memory of this process since start (or since :func:`reset_peak_rss`)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
+
+
+def measure(device: str, rss_at_start: int, peak_was_reset: bool) -> MemoryStats:
+    """Collect this rank's figures at the end of its work.
+
+    Args:
+        device: the rank's device as a string.
+        rss_at_start: :func:`current_rss` taken when the work started.
+        peak_was_reset: what :func:`reset_peak_rss` returned when the work started.
+
+    Returns:
+        The rank's :class:`MemoryStats`.
+    """
+    allocated = reserved = None
+    torch = sys.modules.get("torch")
+    if torch is not None and device.startswith("cuda") and torch.cuda.is_initialized():
+        allocated = int(torch.cuda.max_memory_allocated(device))
+        reserved = int(torch.cuda.max_memory_reserved(device))
+    return MemoryStats(
+        device=device,
+        rss_at_start=rss_at_start,
+        peak_rss=peak_rss(),
+        peak_allocated=allocated,
+        peak_reserved=reserved,
+        peak_rss_since_start=not peak_was_reset,
+    )
+
+
+def format_bytes(n: int | None) -> str:
+    """Write a byte count for people: ``1536 -> '1.5 KiB'``."""
+    if n is None:
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,210 @@
+"""Plots of a launch: per-rank memory, a timeline of phases, step times, and scaling.
+
+Each function returns the matplotlib Figure, so a notebook shows it by leaving it as the cell's
+last expression (or with ``plt.show()``), and a script can ``fig.savefig(...)``. matplotlib is
+imported inside the functions, so workers never pay for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from mgtutor.memory import format_bytes
+from mgtutor.run import Run
+from mgtutor.timing import STEP
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["plot_memory", "plot_timeline", "plot_step_times", "plot_scaling"]
+
+_MIB = 1024 * 1024
+_PHASE_COLOURS = {
+    "data": "#8da0cb",
+    "forward": "#66c2a5",
+    "backward": "#fc8d62",
+    "allreduce": "#e78ac3",
+    "optimizer": "#a6d854",
+}
+
+
+def _new_figure(width: float, height: float) -> Figure:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def plot_memory(run: Run) -> Figure:
+    """Bars of each rank's peak memory, labelled with what was measured.
+
+    GPU ranks: peak allocated (live tensors) beside peak reserved (the caching allocator's
+    pool). CPU ranks: the worker process's resident memory when fn started beside its peak.
+    See :mod:`mgtutor.memory` for exactly what each figure counts.
+
+    Args:
+        run: what :func:`mgtutor.launch` returned.
+
+    Returns:
+        The figure.
+    """
+    fig = _new_figure(1.6 + 1.1 * run.world_size, 3.6)
+    ax = fig.add_subplot()
+    ranks = [r.rank for r in run.ranks]
+    cuda = all(r.memory.is_cuda for r in run.ranks)
+    if cuda:
+        pairs = [(r.memory.peak_allocated or 0, r.memory.peak_reserved or 0) for r in run.ranks]
+        labels = ("peak allocated (tensors)", "peak reserved (caching allocator)")
+        title = "Peak GPU memory per rank (torch.cuda, this process only)"
+    else:
+        pairs = [(r.memory.rss_at_start, r.memory.peak_rss) for r in run.ranks]
+        whole_life = any(r.memory.peak_rss_since_start for r in run.ranks)
+        labels = (
+            "resident when fn started",
+            "peak resident (whole process life)" if whole_life else "peak resident while fn ran",
+        )
+        title = "Worker process memory per rank (RSS)"
+    width = 0.38
+    for i, label in enumerate(labels):
+        xs = [x + (i - 0.5) * width for x in range(len(ranks))]
+        values = [pair[i] / _MIB for pair in pairs]
+        bars = ax.bar(xs, values, width, label=label)
+        ax.bar_label(bars, labels=[format_bytes(pair[i]) for pair in pairs], fontsize=7)
+    ax.set_xticks(range(len(ranks)), [f"rank {r}\n{run.ranks[r].device}" for r in ranks])
+    ax.set_ylabel("MiB")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.margins(y=0.15)
+    return fig
+
+
+def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
+    """One row per rank, each timed phase a coloured bar on the launch's time axis.
+
+    Phases come from :func:`mgtutor.phase` (and "allreduce" from
+    :meth:`mgtutor.StepTimer.watch_allreduce`); all-reduce bars are drawn as a thin band in the
+    lower part of the row, because under DDP they overlap the backward pass.
+
+    Args:
+        run: what :func:`mgtutor.launch` returned.
+        steps: only these steps (for example ``slice(0, 5)``); all by default.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: when no rank recorded any phase.
+    """
+    records = {r.rank: [p for p in r.timings if p.name != STEP] for r in run.ranks}
+    if steps is not None:
+        wanted = range(
+            *steps.indices(1 + max((p.step for ps in records.values() for p in ps), default=0))
+        )
+        records = {k: [p for p in ps if p.step in wanted] for k, ps in records.items()}
+    if not any(records.values()):
+        raise ValueError(
+            "no phases were recorded: inside fn wrap work in `with mgtutor.phase('forward'):`"
+        )
+    fig = _new_figure(9, 0.9 + 0.6 * run.world_size)
+    ax = fig.add_subplot()
+    names: list[str] = []
+    for phases in records.values():
+        for p in phases:
+            if p.name not in names:
+                names.append(p.name)
+    cycle = ["#b3b3b3", "#ffd92f", "#e5c494", "#1b9e77", "#7570b3"]
+    colours = {n: _PHASE_COLOURS.get(n, cycle[i % len(cycle)]) for i, n in enumerate(names)}
+    for rank, phases in records.items():
+        for name in names:
+            spans = [(p.start * 1e3, p.duration * 1e3) for p in phases if p.name == name]
+            if not spans:
+                continue
+            y, h = (rank - 0.4, 0.8) if name != "allreduce" else (rank - 0.4, 0.25)
+            ax.broken_barh(
+                spans, (y, h), facecolors=colours[name], label=name if rank == 0 else None
+            )
+    ax.set_yticks(list(records), [f"rank {r}" for r in records])
+    ax.invert_yaxis()
+    ax.set_xlabel("time since launch (ms)")
+    ax.set_title("What each rank was doing", fontsize=10)
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))
+    ax.legend(
+        unique.values(),
+        unique.keys(),
+        fontsize=8,
+        ncols=len(unique),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.35 if run.world_size < 3 else -0.2),
+        frameon=False,
+    )
+    return fig
+
+
+def plot_step_times(run: Run) -> Figure:
+    """Step time per rank, step by step (from ``mgtutor.step()`` records).
+
+    Raises:
+        ValueError: when no rank recorded steps.
+    """
+    fig = _new_figure(7, 3.4)
+    ax = fig.add_subplot()
+    plotted = False
+    for r in run.ranks:
+        times = run.step_times(r.rank)
+        if times:
+            ax.plot(range(len(times)), [t * 1e3 for t in times], marker=".", label=f"rank {r.rank}")
+            plotted = True
+    if not plotted:
+        raise ValueError(
+            "no steps were recorded: inside fn wrap each step in `with mgtutor.step():`"
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Step time per rank", fontsize=10)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_scaling(runs: Sequence[Run]) -> Figure:
+    """Throughput against world size, with the ideal line and each run's efficiency in %.
+
+    The ideal is the smallest world size's throughput per rank times the world size; the
+    efficiency is measured throughput over that ideal.
+
+    Args:
+        runs: launches of the same work at different world sizes, each with
+            ``mgtutor.step(samples=...)`` records.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: fewer than one run, or runs without samples in their step records.
+    """
+    if not runs:
+        raise ValueError("plot_scaling needs at least one Run")
+    points = sorted((run.world_size, run.throughput()) for run in runs)
+    base_size, base_rate = points[0]
+    per_rank = base_rate / base_size
+    fig = _new_figure(6, 4)
+    ax = fig.add_subplot()
+    sizes = [s for s, _ in points]
+    ax.plot(sizes, [per_rank * s for s in sizes], "--", color="grey", label="ideal (linear)")
+    ax.plot(sizes, [t for _, t in points], "o-", label="measured")
+    for size, rate in points:
+        ax.annotate(
+            f"{100 * rate / (per_rank * size):.0f}%",
+            (size, rate),
+            textcoords="offset points",
+            xytext=(6, -12),
+            fontsize=8,
+        )
+    ax.set_xticks(sizes)
+    ax.set_xlabel("world size (ranks)")
+    ax.set_ylabel("samples / s (all ranks)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Scaling: throughput and efficiency", fontsize=10)
+    ax.legend(fontsize=8)
+    return fig

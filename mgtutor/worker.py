@@ -1,0 +1,401 @@
+"""The worker's side of a launch: the environment contract, ``setup()``, and teardown.
+
+A worker learns who it is from environment variables, the contract torchrun defines:
+``RANK`` (its index among all workers), ``LOCAL_RANK`` (its index on this machine),
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` (where the rendezvous
+store listens). :func:`mgtutor.launch` sets them for each worker it starts; torchrun sets them
+too; under SLURM's ``srun``, :func:`setup` reads ``SLURM_PROCID``, ``SLURM_LOCALID`` and
+``SLURM_NTASKS`` instead. So one training function runs unchanged in all three.
+
+This module must stay cheap to import: every spawned worker imports it before anything else,
+so torch is imported only inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import linecache
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from mgtutor import _channel
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["backend_for", "get_contract", "setup", "teardown", "WorkerContract"]
+
+BACKENDS = ("gloo", "nccl")
+
+_state: dict[str, Any] = {"device": None, "backend": None}
+
+
+@dataclass(frozen=True)
+class WorkerContract:
+    """Who this worker is, as read from its environment.
+
+    Attributes:
+        rank: index of this worker among all workers (0 .. world_size-1).
+        local_rank: index of this worker on its own machine; picks its GPU.
+        world_size: number of workers in the job.
+        local_world_size: number of workers on this machine.
+        master_addr: host of the rendezvous store.
+        master_port: port of the rendezvous store.
+        source: which launcher's variables were read: "torchrun" (also mgtutor.launch) or "slurm".
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: str
+
+
+def _int_env(name: str) -> int:
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not a whole number") from None
+
+
+def _slurm_tasks_on_this_node() -> int | None:
+    # SLURM writes e.g. "4" or "2(x3)" (2 tasks on each of 3 nodes); the first number is ours
+    # only when every node runs the same count, which is the usual --ntasks-per-node case.
+    raw = os.environ.get("SLURM_NTASKS_PER_NODE") or os.environ.get("SLURM_TASKS_PER_NODE")
+    if not raw:
+        return None
+    digits = raw.split("(")[0].split(",")[0]
+    return int(digits) if digits.isdigit() else None
+
+
+def get_contract() -> WorkerContract:
+    """Read this worker's rank, world size and rendezvous address from the environment.
+
+    Returns:
+        The contract. torchrun's variables (which :func:`mgtutor.launch` also sets) win over
+        SLURM's, because ``srun torchrun ...`` sets both and torchrun's are the per-worker ones.
+
+    Raises:
+        RuntimeError: when neither set of variables is present, or SLURM runs without
+            ``MASTER_ADDR``, with what to set.
+
+    Example:
+        >>> os.environ.update(RANK="0", WORLD_SIZE="1")
+        >>> os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        >>> get_contract().world_size
+        1
+    """
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world_size = _int_env("RANK"), _int_env("WORLD_SIZE")
+        local_rank = _int_env("LOCAL_RANK") if "LOCAL_RANK" in env else rank
+        local_world = _int_env("LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world_size
+        source = "torchrun"
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world_size = _int_env("SLURM_PROCID"), _int_env("SLURM_NTASKS")
+        local_rank = _int_env("SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        local_world = _slurm_tasks_on_this_node() or world_size
+        source = "slurm"
+        if "MASTER_ADDR" not in env:
+            raise RuntimeError(
+                "Running under SLURM but MASTER_ADDR is not set. In your sbatch script add\n"
+                "  export MASTER_ADDR="
+                '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+                "so every task finds the rendezvous on the job's first node."
+            )
+        if "MASTER_PORT" not in env:
+            # A port derived from the job id keeps two jobs sharing a node apart.
+            job_id = int(env.get("SLURM_JOB_ID", "0") or 0)
+            env["MASTER_PORT"] = str(15000 + job_id % 20000)
+    else:
+        raise RuntimeError(
+            "This process has no rank: RANK and WORLD_SIZE (or SLURM_PROCID and SLURM_NTASKS) "
+            "are not set. Call mgtutor.setup() inside a function started by mgtutor.launch(), "
+            "torchrun, or srun, not in the notebook itself."
+        )
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in env:
+            raise RuntimeError(
+                f"{name} is not set, so the workers cannot find each other. torchrun and "
+                f"mgtutor.launch set it; when starting workers by hand, export {name} first."
+            )
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside 0..{world_size - 1} (WORLD_SIZE={world_size})")
+    return WorkerContract(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world_size,
+        local_world_size=local_world,
+        master_addr=env["MASTER_ADDR"],
+        master_port=_int_env("MASTER_PORT"),
+        source=source,
+    )
+
+
+def backend_for(local_world_size: int) -> str:
+    """Name the backend :func:`setup` picks when a machine runs this many workers.
+
+    NCCL when CUDA has at least one GPU per local worker (NCCL refuses two ranks on one GPU),
+    gloo otherwise.
+
+    Args:
+        local_world_size: workers on this machine.
+
+    Returns:
+        "nccl" or "gloo".
+
+    Example:
+        >>> backend_for(2)  # on a laptop without CUDA
+        'gloo'
+    """
+    import torch
+    import torch.distributed as dist
+
+    enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
+    return "nccl" if enough_gpus and dist.is_nccl_available() else "gloo"
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity masks
+        return os.cpu_count() or 1
+
+
+def setup(
+    backend: str | None = None,
+    *,
+    device: str | None = None,
+    timeout_s: float | None = None,
+) -> torch.device:
+    """Join the default process group and pick this rank's device.
+
+    Call it first thing inside a worker. Calling it again is harmless and returns the same device.
+
+    Args:
+        backend: "nccl" or "gloo". By default the one :func:`mgtutor.launch` was asked for, else
+            :func:`backend_for` the number of workers on this machine.
+        device: "cuda" to put gloo ranks on GPUs too (ranks then share GPUs round-robin);
+            by default gloo ranks use the CPU and NCCL ranks use ``cuda:LOCAL_RANK``.
+        timeout_s: how long a collective may wait for the other ranks before failing
+            (torch's default: 30 minutes for gloo, 10 for NCCL).
+
+    Returns:
+        The device this rank should put its model and data on.
+
+    Raises:
+        ValueError: an unknown backend, or NCCL without one GPU per local worker.
+        RuntimeError: this process is not a worker (see :func:`get_contract`).
+
+    Example:
+        >>> def work():
+        ...     device = mgtutor.setup()
+        ...     return dist.get_rank(), str(device)
+        >>> mgtutor.launch(work, world_size=2).results
+        [(0, 'cpu'), (1, 'cpu')]
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return _state["device"] or torch.device("cpu")
+    contract = get_contract()
+    chosen = backend or os.environ.get("MGTUTOR_BACKEND") or backend_for(contract.local_world_size)
+    if chosen not in BACKENDS:
+        raise ValueError(f"unknown backend {chosen!r}; choose one of {BACKENDS}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if chosen == "nccl":
+        if gpus <= contract.local_rank:
+            raise ValueError(
+                f"backend 'nccl' needs one GPU per rank on each machine, but local rank "
+                f"{contract.local_rank} has no GPU (CUDA sees {gpus}). Use backend='gloo'."
+            )
+        rank_device = torch.device("cuda", contract.local_rank)
+        torch.cuda.set_device(rank_device)
+    elif device == "cuda":
+        if gpus == 0:
+            raise ValueError("device='cuda' was asked for, but CUDA sees no GPU")
+        rank_device = torch.device("cuda", contract.local_rank % gpus)
+        torch.cuda.set_device(rank_device)
+    elif device in (None, "cpu"):
+        rank_device = torch.device("cpu")
+    else:
+        raise ValueError(f"device must be 'cpu', 'cuda' or None, got {device!r}")
+    if rank_device.type == "cpu":
+        # Each rank is a process; without this every rank starts one thread per core and
+        # they fight over the cores, which makes two ranks slower than one.
+        torch.set_num_threads(max(1, _usable_cores() // contract.local_world_size))
+    if contract.source == "slurm":
+        os.environ.update(
+            RANK=str(contract.rank),
+            LOCAL_RANK=str(contract.local_rank),
+            WORLD_SIZE=str(contract.world_size),
+            LOCAL_WORLD_SIZE=str(contract.local_world_size),
+        )
+    options: dict[str, Any] = {}
+    if timeout_s is not None:
+        options["timeout"] = timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        chosen,
+        init_method="env://",
+        rank=contract.rank,
+        world_size=contract.world_size,
+        **options,
+    )
+    _state.update(device=rank_device, backend=chosen)
+    return rank_device
+
+
+def teardown() -> None:
+    """Leave the process group if this process is in one (a worker's fn may call it itself)."""
+    if "torch.distributed" not in sys.modules:
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def current_device() -> str:
+    """Name the device :func:`setup` picked for this rank ("cpu" if setup was not called)."""
+    device = _state["device"]
+    return str(device) if device is not None else "cpu"
+
+
+def current_backend() -> str | None:
+    """Name the backend of this rank's process group, if :func:`setup` made one."""
+    return _state["backend"]
+
+
+# --- the child's entry point, started by mgtutor.launch -----------------------------------
+
+
+@dataclass
+class WorkerSpec:
+    """What the parent hands one worker process (pickled by multiprocessing's spawn)."""
+
+    env: dict[str, str]
+    payload: bytes
+    conn: Connection
+    stdout: Connection
+    stderr: Connection
+    diag: Connection
+    sources: dict[str, list[str]]
+
+
+_keep_alive: list[Any] = []
+
+
+def _redirect_output(stdout: Connection, stderr: Connection) -> None:
+    # At the descriptor level, so C++ warnings, NCCL logs and subprocesses are relayed too.
+    os.dup2(stdout.fileno(), 1)
+    os.dup2(stderr.fileno(), 2)
+    stdout.close()
+    stderr.close()
+    sys.stdout = sys.__stdout__ = open(  # noqa: SIM115 - lives as long as the process
+        1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
+    )
+    sys.stderr = sys.__stderr__ = open(  # noqa: SIM115
+        2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
+    )
+
+
+def _watch_parent(conn: Connection) -> None:
+    # The parent never writes here; end-of-file means it died (a kernel restart, kill -9).
+    # Take this rank and its own children down rather than leave orphans holding GPU memory.
+    try:
+        while True:
+            conn.recv()
+    except (EOFError, OSError):
+        pass
+    os.killpg(0, signal.SIGKILL)
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _report_failure(exc: BaseException, context: str) -> None:
+    tb = exc.__traceback__.tb_next if exc.__traceback__ else None
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        import cloudpickle
+
+        original: bytes | None = cloudpickle.dumps(exc)
+    except Exception:
+        original = None
+    exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+    _channel.send("error", exc_type, str(exc), text, original, context, time.perf_counter())
+    _flush()
+    os._exit(1)
+
+
+def _worker_entry(rank: int, spec: WorkerSpec) -> None:
+    """Run one rank: wire up output and the parent channel, call fn, send back its result."""
+    os.setpgrp()  # one process group per rank, so cleanup reaches the rank's own children
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl+C and stops us
+    _redirect_output(spec.stdout, spec.stderr)
+    faulthandler.register(signal.SIGUSR1, file=spec.diag.fileno(), all_threads=True)
+    _keep_alive.append(spec.diag)
+    os.environ.update(spec.env)
+    _channel.attach(spec.conn)
+    threading.Thread(target=_watch_parent, args=(spec.conn,), daemon=True).start()
+    _channel.send("hello", os.getpid(), threading.main_thread().ident)
+    for filename, lines in spec.sources.items():
+        # Cells have no file on disk; with their text here, tracebacks show the failing line.
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+
+    from mgtutor import memory, timing
+
+    try:
+        import cloudpickle
+
+        fn, args, kwargs = cloudpickle.loads(spec.payload)
+    except BaseException as exc:
+        _report_failure(exc, "could not unpack the function and its arguments in the worker")
+    rss_start = memory.current_rss()
+    peak_was_reset = memory.reset_peak_rss()
+    memory.reset_cuda_peaks()
+    started = time.perf_counter()
+    try:
+        result = fn(*args, **kwargs)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            _report_failure(exc, "called sys.exit with a failure code")
+        result = None
+    except BaseException as exc:
+        _report_failure(exc, "raised")
+    finished = time.perf_counter()
+    try:
+        record = {
+            "pid": os.getpid(),
+            "device": current_device(),
+            "backend": current_backend(),
+            "started": started,
+            "finished": finished,
+            "memory": memory.measure(current_device(), rss_start, peak_was_reset),
+            "timings": timing.collect_records(),
+        }
+        teardown()
+        import cloudpickle
+
+        blob = cloudpickle.dumps(result)
+    except BaseException as exc:
+        _report_failure(exc, "finished, but its result could not be sent back")
+    _channel.send("done", blob, record)
+    _flush()

@@ -1,0 +1,168 @@
+"""Bad input and faults: every one gives a clear error and leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import threading
+import time
+
+import pytest
+
+import mgtutor
+from tests.helpers import open_fds, worker_children
+
+
+@pytest.fixture(autouse=True)
+def no_process_left():
+    yield
+    assert worker_children() == [], "a fault left worker processes running"
+
+
+def test_raising_worker_stops_the_others_quickly() -> None:
+    def work() -> None:
+        import torch.distributed as dist
+
+        mgtutor.setup(timeout_s=600)
+        if dist.get_rank() == 1:
+            raise ValueError("bad value in rank 1")
+        dist.barrier()  # rank 0 would wait here for ten minutes
+
+    started = time.monotonic()
+    with pytest.raises(mgtutor.WorkerError) as info:
+        mgtutor.launch(work, world_size=2)
+    elapsed = time.monotonic() - started
+    error = info.value
+    assert error.rank == 1
+    assert error.exc_type == "ValueError" and error.exc_message == "bad value in rank 1"
+    assert 'raise ValueError("bad value in rank 1")' in error.worker_traceback
+    assert isinstance(error.original, ValueError)
+    assert "rank 1 raised ValueError: bad value in rank 1" in str(error)
+    assert "No process of this launch is left running" in str(error)
+    assert elapsed < 30
+
+
+def test_hang_past_timeout_names_ranks_and_shows_stacks() -> None:
+    def work() -> None:
+        import torch
+        import torch.distributed as dist
+
+        mgtutor.setup()
+        if dist.get_rank() == 0:
+            dist.all_reduce(torch.ones(1))  # rank 1 never joins
+        else:
+            time.sleep(3600)
+
+    with pytest.raises(mgtutor.WorkerTimeout) as info:
+        mgtutor.launch(work, world_size=2, timeout=8)
+    error = info.value
+    assert error.running == [0, 1]
+    assert "dist.all_reduce(torch.ones(1))" in error.stacks[0]
+    assert "time.sleep(3600)" in error.stacks[1]
+    assert "ranks still running: 0, 1" in str(error)
+
+
+def test_rank_killed_by_a_signal_is_named() -> None:
+    def work() -> None:
+        if os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+
+    with pytest.raises(mgtutor.WorkerError) as info:
+        mgtutor.launch(work, world_size=2)
+    assert info.value.rank == 1 and info.value.signal_name == "SIGKILL"
+    assert info.value.exitcode == -signal.SIGKILL
+    assert "killed by signal SIGKILL" in str(info.value) and "out-of-memory" in str(info.value)
+
+
+def test_exit_code_and_unsendable_result_and_clean_exit() -> None:
+    with pytest.raises(mgtutor.WorkerError, match="rank 0 exited with code 3") as info:
+        mgtutor.launch(lambda: os._exit(3) if os.environ["RANK"] == "0" else time.sleep(60))
+    assert info.value.exitcode == 3
+    with pytest.raises(mgtutor.WorkerError, match="result could not be sent back"):
+        mgtutor.launch(lambda: threading.Lock(), world_size=1)
+    with pytest.raises(mgtutor.WorkerError, match="called sys.exit"):
+        mgtutor.launch(lambda: exit(4), world_size=1)
+    assert mgtutor.launch(lambda: exit(0), world_size=1).results == [None]
+
+
+def test_interrupt_stops_every_worker_before_it_reaches_the_caller(capsys) -> None:
+    started = []
+
+    def work() -> None:
+        print("started", flush=True)
+        time.sleep(60)
+
+    def interrupt_when_started() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(worker_children()) < 2:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        started.append(len(worker_children()))
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_when_started, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        mgtutor.launch(work, world_size=2)
+    assert started == [2]
+    assert worker_children() == []
+    assert "Interrupted. Cleanup: stopped rank 0" in capsys.readouterr().err
+
+
+def test_unpicklable_function_or_argument_fails_before_any_process_starts() -> None:
+    lock = threading.Lock()
+    with pytest.raises(pickle.PicklingError, match=r"argument 0 \(lock\).*_thread.lock"):
+        mgtutor.launch(lambda held: None, lock)
+    with pytest.raises(pickle.PicklingError, match=r"keyword argument 'held'"):
+        mgtutor.launch(lambda held: None, held=lock)
+    with pytest.raises(pickle.PicklingError, match=r"the function \(or a global or closure"):
+        mgtutor.launch(lambda: lock.locked())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"world_size": 0}, ValueError, "at least 1"),
+        ({"world_size": -2}, ValueError, "at least 1"),
+        ({"world_size": 2.5}, TypeError, "whole number"),
+        ({"world_size": True}, TypeError, "whole number"),
+        ({"backend": "mpi"}, ValueError, "backend must be one of"),
+        ({"timeout": 0}, ValueError, "positive number of seconds"),
+        ({"timeout": "10"}, ValueError, "positive number of seconds"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_process_starts(kwargs, error, match) -> None:
+    with pytest.raises(error, match=match):
+        mgtutor.launch(lambda: None, **kwargs)
+
+
+def test_not_a_function_is_refused() -> None:
+    with pytest.raises(TypeError, match="needs a function"):
+        mgtutor.launch("train.py")
+
+
+def test_nccl_with_too_few_gpus_says_what_is_available() -> None:
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=rf"needs one GPU per rank.*world_size={gpus + 1}"):
+        mgtutor.launch(lambda: None, world_size=gpus + 1, backend="nccl")
+
+
+def test_next_launch_works_after_a_failure() -> None:
+    with pytest.raises(mgtutor.WorkerError):
+        mgtutor.launch(lambda: 1 / 0, world_size=2)
+    assert mgtutor.launch(lambda: "fine", world_size=2).results == ["fine", "fine"]
+
+
+def test_fifty_launches_leak_no_processes_and_no_descriptors() -> None:
+    mgtutor.launch(lambda: None, world_size=2)  # warm-up: the resource tracker starts once
+    fds = open_fds()
+    pids = set()
+    for _ in range(50):
+        run = mgtutor.launch(lambda: os.getpid(), world_size=2)
+        pids.update(run.results)
+    assert len(pids) == 100
+    assert worker_children() == []
+    assert open_fds() == fds

@@ -1,0 +1,153 @@
+"""Phase timing in one process and under DDP, and the four plots."""
+
+from __future__ import annotations
+
+import time
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+import mgtutor  # noqa: E402
+from mgtutor.memory import MemoryStats  # noqa: E402
+from mgtutor.run import RankResult, Run  # noqa: E402
+from mgtutor.timing import PhaseRecord, StepTimer  # noqa: E402
+
+
+def test_step_timer_records_phases_and_steps() -> None:
+    t = StepTimer("cpu")
+    for _ in range(2):
+        with t.step(samples=4):
+            with t.phase("forward"):
+                time.sleep(0.01)
+            with t.phase("backward"):
+                time.sleep(0.02)
+    records = t.records()
+    assert [(r.name, r.step) for r in records] == [
+        ("forward", 0),
+        ("backward", 0),
+        ("step", 0),
+        ("forward", 1),
+        ("backward", 1),
+        ("step", 1),
+    ]
+    steps = [r for r in records if r.name == "step"]
+    assert all(r.samples == 4 and r.duration >= 0.03 for r in steps)
+    assert records[1].start >= records[0].end
+
+
+def test_disabled_timer_records_nothing() -> None:
+    t = StepTimer("cpu", enabled=False)
+    with t.step(samples=1), t.phase("forward"):
+        pass
+    assert t.records() == []
+
+
+def test_watch_allreduce_times_ddp_buckets_and_keeps_ddp_gradients() -> None:
+    def work(watch: bool) -> tuple:
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        mgtutor.setup()
+        torch.manual_seed(0)
+        model = DDP(
+            torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 2)), bucket_cap_mb=0.01
+        )
+        if watch:
+            mgtutor.timer().watch_allreduce(model)
+        torch.manual_seed(1 + dist.get_rank())
+        for _ in range(3):
+            with mgtutor.step(samples=8), mgtutor.phase("backward"):
+                model(torch.randn(8, 64)).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    watched = mgtutor.launch(work, True, world_size=2)
+    plain = mgtutor.launch(work, False, world_size=2)
+    for a, b in zip(watched.results[0], plain.results[0]):
+        assert (a == b).all(), "the timing hook must reduce exactly like DDP's default"
+    reduces = [p for p in watched.timings[0] if p.name == "allreduce"]
+    param_bytes = 4 * (64 * 64 + 64 + 64 * 2 + 2)
+    for step in range(3):
+        in_step = [p for p in reduces if p.step == step]
+        assert in_step and sum(p.nbytes for p in in_step) == param_bytes
+        assert all(p.end >= p.start for p in in_step)
+    assert not [p for p in plain.timings[0] if p.name == "allreduce"]
+    fig = mgtutor.plot_timeline(watched)
+    assert "allreduce" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+def _fake_run(world_size: int, cuda: bool = False, step_s: float = 0.1) -> Run:
+    ranks = []
+    for rank in range(world_size):
+        memory = MemoryStats(
+            device=f"cuda:{rank}" if cuda else "cpu",
+            rss_at_start=100 * 2**20,
+            peak_rss=150 * 2**20,
+            peak_allocated=2**30 if cuda else None,
+            peak_reserved=2**31 if cuda else None,
+        )
+        timings = []
+        for s in range(3):
+            start = 0.5 + s * step_s
+            timings += [
+                PhaseRecord("forward", s, start, start + step_s / 2),
+                PhaseRecord("backward", s, start + step_s / 2, start + step_s),
+                PhaseRecord("step", s, start, start + step_s, samples=10),
+            ]
+        ranks.append(
+            RankResult(rank, 1000 + rank, memory.device, "gloo", 1.0, memory, rank, timings)
+        )
+    return Run(world_size, ranks, 2.0)
+
+
+def test_plot_memory_labels_what_was_measured() -> None:
+    fig = mgtutor.plot_memory(_fake_run(2))
+    ax = fig.axes[0]
+    assert "RSS" in ax.get_title()
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "resident when fn started",
+        "peak resident while fn ran",
+    ]
+    assert len(ax.patches) == 4
+    assert sorted(p.get_height() for p in ax.patches) == [100, 100, 150, 150]
+    gpu = mgtutor.plot_memory(_fake_run(2, cuda=True)).axes[0]
+    assert "peak reserved (caching allocator)" in [
+        t.get_text() for t in gpu.get_legend().get_texts()
+    ]
+    assert sorted(p.get_height() for p in gpu.patches) == [1024, 1024, 2048, 2048]
+
+
+def test_plot_timeline_and_step_times() -> None:
+    run = _fake_run(3)
+    ax = mgtutor.plot_timeline(run).axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1", "rank 2"]
+    assert len(ax.collections) == 6  # forward and backward bars for each rank
+    only_first = mgtutor.plot_timeline(run, steps=slice(0, 1)).axes[0]
+    assert all(len(c.get_paths()) == 1 for c in only_first.collections)
+    lines = mgtutor.plot_step_times(run).axes[0].get_lines()
+    assert len(lines) == 3 and list(lines[0].get_ydata()) == pytest.approx([100, 100, 100])
+
+
+def test_plot_scaling_shows_ideal_and_efficiency() -> None:
+    one, two = _fake_run(1, step_s=0.1), _fake_run(2, step_s=0.125)
+    assert one.throughput() == pytest.approx(100)
+    assert two.throughput() == pytest.approx(160)
+    ax = mgtutor.plot_scaling([two, one]).axes[0]
+    ideal, measured = ax.get_lines()
+    assert list(ideal.get_ydata()) == pytest.approx([100, 200])
+    assert list(measured.get_ydata()) == pytest.approx([100, 160])
+    assert [t.get_text() for t in ax.texts] == ["100%", "80%"]
+
+
+def test_plots_without_records_say_what_to_add() -> None:
+    empty = Run(1, [RankResult(0, 1, "cpu", None, 0.1, MemoryStats("cpu", 1, 2), None, [])], 0.5)
+    with pytest.raises(ValueError, match="mgtutor.phase"):
+        mgtutor.plot_timeline(empty)
+    with pytest.raises(ValueError, match="mgtutor.step"):
+        mgtutor.plot_step_times(empty)
+    with pytest.raises(ValueError, match="samples"):
+        mgtutor.plot_scaling([empty])
+    with pytest.raises(ValueError, match="at least one Run"):
+        mgtutor.plot_scaling([])

@@ -1,0 +1,182 @@
+"""setup() and the environment contract, in this process: torchrun's variables and SLURM's."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import mgtutor
+
+LAUNCHER_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_JOB_ID",
+    "MGTUTOR_BACKEND",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in LAUNCHER_VARS:
+        monkeypatch.delenv(name, raising=False)
+    threads = torch.get_num_threads()
+    yield monkeypatch
+    mgtutor.teardown()
+    torch.set_num_threads(threads)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_contract_from_torchrun_variables(clean_env) -> None:
+    clean_env.setenv("RANK", "3")
+    clean_env.setenv("LOCAL_RANK", "1")
+    clean_env.setenv("WORLD_SIZE", "4")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "2")
+    clean_env.setenv("MASTER_ADDR", "10.0.0.1")
+    clean_env.setenv("MASTER_PORT", "29400")
+    clean_env.setenv("SLURM_PROCID", "0")  # srun + torchrun: torchrun's per-worker values win
+    c = mgtutor.get_contract()
+    assert (c.rank, c.local_rank, c.world_size, c.local_world_size) == (3, 1, 4, 2)
+    assert (c.master_addr, c.master_port, c.source) == ("10.0.0.1", 29400, "torchrun")
+
+
+def test_contract_from_slurm_variables(clean_env) -> None:
+    clean_env.setenv("SLURM_PROCID", "5")
+    clean_env.setenv("SLURM_LOCALID", "1")
+    clean_env.setenv("SLURM_NTASKS", "8")
+    clean_env.setenv("SLURM_NTASKS_PER_NODE", "4")
+    clean_env.setenv("SLURM_JOB_ID", "123456")
+    clean_env.setenv("MASTER_ADDR", "node01")
+    c = mgtutor.get_contract()
+    assert (c.rank, c.local_rank, c.world_size, c.local_world_size) == (5, 1, 8, 4)
+    assert c.source == "slurm"
+    assert c.master_port == 15000 + 123456 % 20000, "a port derived from the job id"
+
+
+def test_slurm_without_master_addr_says_what_to_export(clean_env) -> None:
+    clean_env.setenv("SLURM_PROCID", "0")
+    clean_env.setenv("SLURM_NTASKS", "2")
+    with pytest.raises(RuntimeError, match=r"export MASTER_ADDR=\$\(scontrol show hostnames"):
+        mgtutor.get_contract()
+
+
+def test_no_launcher_variables_is_a_clear_error(clean_env) -> None:
+    with pytest.raises(RuntimeError, match="not in the notebook itself"):
+        mgtutor.setup()
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"RANK": "two", "WORLD_SIZE": "2"}, "RANK='two' is not a whole number"),
+        ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "outside 0..1"),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR is not set"),
+    ],
+)
+def test_bad_contracts(clean_env, env, match) -> None:
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        mgtutor.get_contract()
+
+
+def test_setup_and_teardown_as_a_single_torchrun_worker(clean_env) -> None:
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "1")
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    clean_env.setenv("MASTER_PORT", str(free_port()))
+    device = mgtutor.setup()
+    assert device == torch.device("cpu") and mgtutor.setup() == device
+    assert dist.is_initialized() and dist.get_backend() == "gloo"
+    assert torch.get_num_threads() == len(os.sched_getaffinity(0))
+    mgtutor.teardown()
+    assert not dist.is_initialized()
+
+
+def test_setup_under_slurm_exports_the_torchrun_names(clean_env) -> None:
+    clean_env.setenv("SLURM_PROCID", "0")
+    clean_env.setenv("SLURM_LOCALID", "0")
+    clean_env.setenv("SLURM_NTASKS", "1")
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    clean_env.setenv("MASTER_PORT", str(free_port()))
+    mgtutor.setup()
+    assert dist.get_rank() == 0 and dist.get_world_size() == 1
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == (
+        "0",
+        "0",
+        "1",
+    )
+
+
+def test_setup_refuses_unknown_backend_and_device(clean_env) -> None:
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "1")
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    clean_env.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(ValueError, match="unknown backend 'mpi'"):
+        mgtutor.setup("mpi")
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda' or None"):
+        mgtutor.setup(device="tpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_backend_for_a_machine_without_gpus(clean_env) -> None:
+    assert mgtutor.backend_for(1) == mgtutor.backend_for(8) == "gloo"
+    hw = mgtutor.describe_hardware()
+    assert hw.gpus == () and hw.backend_for(2) == "gloo" and hw.device_for(2) == "cpu"
+    clean_env.setenv("RANK", "0")
+    clean_env.setenv("WORLD_SIZE", "1")
+    clean_env.setenv("MASTER_ADDR", "127.0.0.1")
+    clean_env.setenv("MASTER_PORT", str(free_port()))
+    with pytest.raises(ValueError, match="needs one GPU per rank"):
+        mgtutor.setup("nccl")
+
+
+def test_describe_hardware_matches_torch_and_the_os() -> None:
+    import psutil
+
+    hw = mgtutor.describe_hardware()
+    assert hw.cpu_cores == len(os.sched_getaffinity(0))
+    assert hw.memory_bytes == psutil.virtual_memory().total
+    assert hw.torch_version == torch.__version__
+    assert len(hw.gpus) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert hw.gloo_available and "CPU cores" in repr(hw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="SKIPPED: needs at least 2 CUDA GPUs (this machine has fewer)",
+)
+def test_nccl_launch_on_two_gpus() -> None:
+    def work() -> tuple:
+        device = mgtutor.setup()
+        t = torch.ones(1, device=device) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        big = torch.empty(256, 1024, 1024, device=device)  # 1 GiB
+        del big
+        return str(device), dist.get_backend(), t.item()
+
+    run = mgtutor.launch(work, world_size=2)
+    assert run.results == [("cuda:0", "nccl", 3.0), ("cuda:1", "nccl", 3.0)]
+    for r in run.ranks:
+        assert r.memory.is_cuda and r.memory.peak_allocated >= 2**30
+        assert r.memory.peak_reserved >= r.memory.peak_allocated
