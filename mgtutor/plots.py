@@ -30,9 +30,14 @@ _PHASE_COLOURS = {
 
 
 def _new_figure(width: float, height: float) -> Figure:
-    from matplotlib.figure import Figure
+    import matplotlib.pyplot as plt
 
-    return Figure(figsize=(width, height), layout="constrained")
+    # Made through pyplot so that, in a notebook, the inline backend loads and IPython learns to
+    # show a returned Figure as an image; closed at once so pyplot does not show it a second
+    # time when the cell ends. The figure stays usable: display it, or fig.savefig(...).
+    fig = plt.figure(figsize=(width, height), layout="constrained")
+    plt.close(fig)
+    return fig
 
 
 def plot_memory(run: Run) -> Figure:
@@ -48,7 +53,7 @@ def plot_memory(run: Run) -> Figure:
     Returns:
         The figure.
     """
-    fig = _new_figure(1.6 + 1.1 * run.world_size, 3.6)
+    fig = _new_figure(max(4.2, 1.6 + 1.1 * run.world_size), 4.2)
     ax = fig.add_subplot()
     ranks = [r.rank for r in run.ranks]
     cuda = all(r.memory.is_cuda for r in run.ranks)
@@ -73,7 +78,7 @@ def plot_memory(run: Run) -> Figure:
     ax.set_xticks(range(len(ranks)), [f"rank {r}\n{run.ranks[r].device}" for r in ranks])
     ax.set_ylabel("MiB")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     ax.margins(y=0.15)
     return fig
 
@@ -112,20 +117,23 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
         for p in phases:
             if p.name not in names:
                 names.append(p.name)
+    # All-reduce bars last, so they are drawn over the backward pass they overlap.
+    names.sort(key=lambda n: n == "allreduce")
     cycle = ["#b3b3b3", "#ffd92f", "#e5c494", "#1b9e77", "#7570b3"]
     colours = {n: _PHASE_COLOURS.get(n, cycle[i % len(cycle)]) for i, n in enumerate(names)}
+    origin = min(p.start for phases in records.values() for p in phases)
     for rank, phases in records.items():
         for name in names:
-            spans = [(p.start * 1e3, p.duration * 1e3) for p in phases if p.name == name]
+            spans = [((p.start - origin) * 1e3, p.duration * 1e3) for p in phases if p.name == name]
             if not spans:
                 continue
-            y, h = (rank - 0.4, 0.8) if name != "allreduce" else (rank - 0.4, 0.25)
+            y, h = (rank - 0.4, 0.8) if name != "allreduce" else (rank + 0.1, 0.3)
             ax.broken_barh(
                 spans, (y, h), facecolors=colours[name], label=name if rank == 0 else None
             )
     ax.set_yticks(list(records), [f"rank {r}" for r in records])
     ax.invert_yaxis()
-    ax.set_xlabel("time since launch (ms)")
+    ax.set_xlabel("time since the first timed phase shown (ms)")
     ax.set_title("What each rank was doing", fontsize=10)
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
