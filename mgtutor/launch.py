@@ -223,7 +223,6 @@ def launch(
         "MASTER_PORT": str(port),
         # Like torchrun's agent, the parent hosts the store: ranks connect to it as clients.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "MGTUTOR_WORKER": "1",
     }
     if backend:
         common["MGTUTOR_BACKEND"] = backend

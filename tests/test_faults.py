@@ -55,7 +55,7 @@ def test_hang_past_timeout_names_ranks_and_shows_stacks() -> None:
             time.sleep(3600)
 
     with pytest.raises(mgtutor.WorkerTimeout) as info:
-        mgtutor.launch(work, world_size=2, timeout=8)
+        mgtutor.launch(work, world_size=2, timeout=10)
     error = info.value
     assert error.running == [0, 1]
     assert "dist.all_reduce(torch.ones(1))" in error.stacks[0]
@@ -166,3 +166,13 @@ def test_fifty_launches_leak_no_processes_and_no_descriptors() -> None:
     assert len(pids) == 100
     assert worker_children() == []
     assert open_fds() == fds
+
+
+def test_launch_while_a_worker_is_bootstrapping_names_the_main_guard(monkeypatch) -> None:
+    # What a script without `if __name__ == "__main__":` hits when some other spawn-based
+    # pool re-imports it: a clear message instead of multiprocessing's bootstrapping error.
+    import multiprocessing
+
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    with pytest.raises(RuntimeError, match='if __name__ == "__main__":'):
+        mgtutor.launch(lambda: None)

@@ -263,3 +263,17 @@ def test_script_without_main_guard_runs_its_top_level_once(tmp_path: Path) -> No
     assert done.stdout.count("TOP LEVEL RAN") == 1
     assert "RESULTS [7, 7]" in done.stdout
     assert worker_children() == []
+
+
+def test_progress_board_draws_one_widget_bar_per_rank() -> None:
+    from mgtutor.progress import ProgressBoard
+
+    board = ProgressBoard(2)
+    board._use_widgets = True  # as in JupyterLab; outside a kernel display() prints a repr
+    board.update(1, 3, 10, "epoch 0")
+    board.update(0, 10, 10, "epoch 0")
+    bars = board._bars
+    assert [(b.value, b.max) for b in bars] == [(10, 10), (3, 10)]
+    assert [b.description for b in bars] == ["rank 0", "rank 1"]
+    board.finish(failed_rank=1)
+    assert [b.bar_style for b in bars] == ["warning", "danger"]
