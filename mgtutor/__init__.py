@@ -13,12 +13,14 @@ The workbook's helper package. Its modules, in the order the notebooks meet them
 * :mod:`mgtutor.plots`: :func:`plot_memory`, :func:`plot_timeline`, :func:`plot_step_times`,
   :func:`plot_scaling`.
 * :mod:`mgtutor.hardware`: :func:`describe_hardware`, what this machine offers.
+* :mod:`mgtutor.checkpoint`: :func:`save_checkpoint` that never leaves a half-written file.
 * :mod:`mgtutor.data`: an offline dataset that learns, and CIFAR-10 where available.
 
 Importing mgtutor does not import torch or matplotlib: every worker imports this package
 first, and a worker's start-up time is the floor of every launch.
 """
 
+from mgtutor.checkpoint import load_checkpoint, save_checkpoint
 from mgtutor.errors import WorkerError, WorkerTimeout
 from mgtutor.hardware import HardwareInfo, describe_hardware
 from mgtutor.launch import launch
@@ -42,12 +44,14 @@ __all__ = [
     "describe_hardware",
     "get_contract",
     "launch",
+    "load_checkpoint",
     "phase",
     "plot_memory",
     "plot_scaling",
     "plot_step_times",
     "plot_timeline",
     "progress",
+    "save_checkpoint",
     "setup",
     "step",
     "teardown",

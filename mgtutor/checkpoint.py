@@ -1,0 +1,79 @@
+"""Checkpoints that are never half-written: save to a temporary file, then rename it.
+
+A crash (or a full disk, or an object that cannot be saved) in the middle of ``torch.save``
+leaves a truncated file behind, and the next run's ``torch.load`` fails on it or, worse, a
+resumed job starts from garbage. :func:`save_checkpoint` writes next to the target and renames
+the finished file over it in one step (``os.replace`` is atomic on POSIX file systems), so the
+path always holds either the old checkpoint or the complete new one.
+
+In a DDP job only rank 0 should save (every rank holds the same weights), and the others should
+wait at a barrier before loading, so that nobody reads a checkpoint that is not there yet.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+
+def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
+    """Save ``obj`` with ``torch.save`` so that ``path`` is never left half-written.
+
+    Args:
+        obj: what to save, typically a dict of state dicts and counters.
+        path: the checkpoint's file name; its folder is created if missing.
+
+    Returns:
+        The path written.
+
+    Raises:
+        Whatever ``torch.save`` raised; the temporary file is removed first and an existing
+        checkpoint at ``path`` is left as it was.
+
+    Example:
+        >>> if dist.get_rank() == 0:
+        ...     save_checkpoint({"model": model.module.state_dict(), "epoch": 3}, "ckpt.pt")
+        >>> dist.barrier()
+    """
+    import torch
+
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+    return target
+
+
+def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> Any:
+    """Load a checkpoint written by :func:`save_checkpoint` (tensors and plain containers only).
+
+    Uses ``torch.load(..., weights_only=True)``, which refuses to run code stored in the file.
+
+    Args:
+        path: the checkpoint file.
+        map_location: where tensors go: "cpu", or this rank's device (``f"cuda:{local_rank}"``);
+            without it, tensors saved from ``cuda:0`` would all land on GPU 0.
+
+    Returns:
+        The saved object.
+
+    Raises:
+        FileNotFoundError: no checkpoint at ``path``.
+    """
+    import torch
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no checkpoint at {path}; save one with save_checkpoint first")
+    return torch.load(path, map_location=map_location, weights_only=True)
