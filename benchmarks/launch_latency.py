@@ -24,6 +24,13 @@ How
     the per-round ratios (the headline: it compares runs made seconds apart) and the ratio of the
     medians.
 
+    It also records the CPU seconds each call used, in this process and in the processes it
+    started and waited for (``resource.getrusage``). Wall time is what the learner waits, and
+    it is what the target is about; but when other work competes for the cores, the two workers
+    no longer import torch side by side and the wall time jumps (on a busy 2-core machine it can
+    double), while the CPU seconds barely move. If the wall times look bimodal, compare the CPU
+    column.
+
     Note: spawn's children re-import the main script (here, this file) before they run the
     worker function; this file imports torch and mgtutor at the top, so the plain-spawn workers
     import the same modules as mgtutor's workers do. mgtutor's workers skip the re-import of
@@ -47,6 +54,7 @@ import json
 import os
 import platform
 import random
+import resource
 import socket
 import statistics
 import subprocess
@@ -95,40 +103,56 @@ def free_port() -> int:
         return port
 
 
-def time_floor() -> float:
-    """Seconds for a new Python process to import torch and exit."""
-    started = time.perf_counter()
+def run_floor() -> None:
+    """Start a new Python process that imports torch and exits."""
     subprocess.run([sys.executable, "-c", "import torch"], check=True)
-    return time.perf_counter() - started
 
 
-def time_spawn() -> float:
-    """Seconds for plain torch.multiprocessing.spawn of two ranks that pass one barrier."""
-    started = time.perf_counter()
+def run_spawn() -> None:
+    """Plain torch.multiprocessing.spawn of two ranks that pass one barrier."""
     port = free_port()  # a new port every trial, so no trial waits for the last one's socket
     mp.spawn(join_and_barrier, args=(WORLD_SIZE, port), nprocs=WORLD_SIZE, start_method="spawn")
-    return time.perf_counter() - started
 
 
-def time_mgtutor() -> float:
-    """Seconds for mgtutor.launch of two ranks that call setup() and pass one barrier."""
-    started = time.perf_counter()
+def run_mgtutor() -> None:
+    """mgtutor.launch of two ranks that call setup() and pass one barrier."""
     mgtutor.launch(work, world_size=WORLD_SIZE)
-    return time.perf_counter() - started
 
 
-TIMERS: dict[str, Callable[[], float]] = {
-    "floor": time_floor,
-    "spawn": time_spawn,
-    "mgtutor": time_mgtutor,
+RUNNERS: dict[str, Callable[[], None]] = {
+    "floor": run_floor,
+    "spawn": run_spawn,
+    "mgtutor": run_mgtutor,
 }
 
 
-def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
+def cpu_seconds() -> float:
+    """CPU seconds used so far by this process and by the child processes it has waited for."""
+    total = 0.0
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        usage = resource.getrusage(who)
+        total += usage.ru_utime + usage.ru_stime
+    return total
+
+
+def measure(case: str) -> tuple[float, float]:
+    """Run one case once; return its wall seconds and the CPU seconds it used."""
+    cpu_before = cpu_seconds()
+    started = time.perf_counter()
+    RUNNERS[case]()
+    wall = time.perf_counter() - started
+    return wall, cpu_seconds() - cpu_before
+
+
+def summarize(times: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, Any]:
     """Medians, minimums and the mgtutor / spawn ratios of the timed rounds."""
     per_round = [m / s for m, s in zip(times["mgtutor"], times["spawn"], strict=True)]
     cases = {
-        case: {"median_s": statistics.median(values), "min_s": min(values)}
+        case: {
+            "median_s": statistics.median(values),
+            "min_s": min(values),
+            "median_cpu_s": statistics.median(cpu[case]),
+        }
         for case, values in times.items()
     }
     median_ratio = statistics.median(per_round)
@@ -138,6 +162,7 @@ def summarize(times: dict[str, list[float]]) -> dict[str, Any]:
         "ratio_median_of_rounds": median_ratio,
         "ratio_of_medians": cases["mgtutor"]["median_s"] / cases["spawn"]["median_s"],
         "ratio_of_mins": cases["mgtutor"]["min_s"] / cases["spawn"]["min_s"],
+        "cpu_ratio_of_medians": cases["mgtutor"]["median_cpu_s"] / cases["spawn"]["median_cpu_s"],
         "target_ratio": TARGET_RATIO,
         "target_met": median_ratio <= TARGET_RATIO,
     }
@@ -149,24 +174,28 @@ def markdown_table(summary: dict[str, Any], rounds: int) -> str:
     spawn_median = cases["spawn"]["median_s"]
     lines = [
         f"| case ({rounds} rounds, world_size {WORLD_SIZE}) | median (s) | min (s) "
-        "| median / plain spawn |",
-        "|---|---:|---:|---:|",
+        "| median / plain spawn | median CPU (s) |",
+        "|---|---:|---:|---:|---:|",
     ]
     for case in CASES:
         median, low = cases[case]["median_s"], cases[case]["min_s"]
-        lines.append(f"| {LABELS[case]} | {median:.2f} | {low:.2f} | {median / spawn_median:.2f} |")
+        lines.append(
+            f"| {LABELS[case]} | {median:.2f} | {low:.2f} | {median / spawn_median:.2f} "
+            f"| {cases[case]['median_cpu_s']:.2f} |"
+        )
     verdict = "met" if summary["target_met"] else "NOT met"
     lines += [
         "",
         f"mgtutor / spawn: median of per-round ratios **{summary['ratio_median_of_rounds']:.3f}**"
         f", ratio of medians {summary['ratio_of_medians']:.3f}"
-        f" (target <= {TARGET_RATIO:.2f}: {verdict}).",
+        f" (target <= {TARGET_RATIO:.2f}: {verdict}); CPU seconds, ratio of medians"
+        f" {summary['cpu_ratio_of_medians']:.3f}.",
     ]
     return "\n".join(lines)
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument(
         "--repeats", type=int, default=15, help="timed rounds; each runs every case once"
     )
@@ -187,19 +216,22 @@ def main() -> None:
     rng = random.Random(args.seed)
 
     print("Warm-up: one untimed run of each case ...", flush=True)
-    warmup = {case: TIMERS[case]() for case in CASES}
+    warmup = {case: measure(case)[0] for case in CASES}
 
     times: dict[str, list[float]] = {case: [] for case in CASES}
+    cpu: dict[str, list[float]] = {case: [] for case in CASES}
     orders: list[list[str]] = []
     for round_index in range(args.repeats):
         order = rng.sample(CASES, k=len(CASES))
         orders.append(order)
         for case in order:
-            times[case].append(TIMERS[case]())
+            wall, used = measure(case)
+            times[case].append(wall)
+            cpu[case].append(used)
         done = ", ".join(f"{case} {times[case][-1]:.2f}s" for case in CASES)
         print(f"round {round_index + 1}/{args.repeats}: {done}", flush=True)
 
-    summary = summarize(times)
+    summary = summarize(times, cpu)
     result = {
         "benchmark": "launch_latency",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -213,6 +245,7 @@ def main() -> None:
         "warmup_s": warmup,
         "round_orders": orders,
         "times_s": times,
+        "cpu_s": cpu,
         "summary": summary,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

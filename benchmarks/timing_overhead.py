@@ -247,7 +247,7 @@ def markdown_table(
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument(
         "--repeats", type=int, default=100, help="rounds; each runs one block of every variant"
     )

@@ -29,6 +29,8 @@ _TERM_GRACE_S = 1.0
 _DRAIN_GRACE_S = 1.0
 _STACK_WAIT_S = 2.0
 _MAX_FRAMES = 16
+# Interpreter start, imports and unpickling fn: minutes on a cold, busy laptop, never hours.
+_STARTUP_LIMIT_S = 300.0
 
 _SIGNAL_HINTS = {
     "SIGKILL": (
@@ -50,6 +52,7 @@ class RankHandle:
     partial: dict[str, bytes] = field(default_factory=dict)
     diag: bytearray = field(default_factory=bytearray)
     main_ident: int | None = None
+    started: bool = False
     done: tuple[bytes, dict[str, Any]] | None = None
     error: tuple[Any, ...] | None = None
     failed_at: float | None = None
@@ -76,8 +79,13 @@ class Supervisor:
     # --- the loop ---------------------------------------------------------------------------
 
     def run(self) -> list[RankHandle]:
-        """Relay and watch until every rank returned; raise WorkerError on the first fault."""
-        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        """Relay and watch until every rank returned; raise WorkerError on the first fault.
+
+        ``timeout`` counts from the moment every rank has started fn, so a slow start (torch's
+        import on a busy machine) does not eat into it; start-up has its own generous limit.
+        """
+        startup_deadline = time.monotonic() + _STARTUP_LIMIT_S
+        deadline: float | None = None
         try:
             while True:
                 self._pump(_POLL_S)
@@ -89,8 +97,12 @@ class Supervisor:
                     self._stop_leftovers()
                     self.board.finish(None)
                     return self.handles
+                if deadline is None and all(h.started for h in self.handles):
+                    deadline = None if self.timeout is None else time.monotonic() + self.timeout
                 if deadline is not None and time.monotonic() > deadline:
                     self._raise_timeout()
+                if deadline is None and time.monotonic() > startup_deadline:
+                    self._raise_timeout(starting=True)
         except KeyboardInterrupt:
             cleanup = self._stop_all()
             self._drain(0.2)
@@ -159,6 +171,8 @@ class Supervisor:
         kind, *body = message
         if kind == "hello":
             h.main_ident = body[1]
+        elif kind == "started":
+            h.started = True
         elif kind == "progress":
             self.board.update(h.rank, *body)
         elif kind == "done":
@@ -244,7 +258,7 @@ class Supervisor:
             )
         return WorkerError(summary, rank=h.rank, exitcode=code, cleanup=cleanup)
 
-    def _raise_timeout(self) -> None:
+    def _raise_timeout(self, starting: bool = False) -> None:
         running = [h for h in self.handles if h.process.is_alive() and h.done is None]
         for h in running:
             try:
@@ -257,10 +271,21 @@ class Supervisor:
         self._drain(_DRAIN_GRACE_S)
         self.board.finish(running[0].rank if running else -1)
         names = ", ".join(str(h.rank) for h in running) or "none"
+        if starting:
+            waiting = ", ".join(str(h.rank) for h in self.handles if not h.started)
+            summary = (
+                f"Ranks {waiting} had not started fn after {_STARTUP_LIMIT_S:g} s (starting "
+                f"Python, importing, unpickling fn and its arguments); every rank was stopped. "
+                f"The stacks below show where they were."
+            )
+        else:
+            summary = (
+                f"fn ran past its timeout of {self.timeout:g} s; ranks still running: {names}. A "
+                f"rank that waits in a collective (all_reduce, barrier, ...) that another rank "
+                f"never calls waits until it is stopped: look at the stacks below."
+            )
         raise WorkerTimeout(
-            f"The launch ran past its timeout of {self.timeout:g} s; ranks still running: "
-            f"{names}. A rank that waits in a collective (all_reduce, barrier, ...) that another "
-            f"rank never calls waits until it is stopped: look at the stacks below.",
+            summary,
             running=[h.rank for h in running],
             stacks=stacks,
             cleanup=cleanup,
@@ -399,11 +424,13 @@ def _format_stack(dump: bytes, main_ident: int | None) -> str:
             frame = _FRAME.match(line)
             if frame is None or frame["file"].startswith("<frozen "):
                 continue
-            if frame["func"] == "_worker_entry":
-                break  # below this are multiprocessing's bootstrap frames
             text = f'  File "{frame["file"]}", line {frame["line"]}, in {frame["func"]}'
             source = linecache.getline(frame["file"], int(frame["line"])).strip()
+            if frame["func"] == "_worker_entry" and frames:
+                break  # below fn are mgtutor's and multiprocessing's start-up frames
             frames.append(f"{text}\n    {source}" if source else text)
+            if frame["func"] == "_worker_entry":
+                break  # still starting up: mgtutor's own line says what it was doing
     if len(frames) > _MAX_FRAMES:
         # Keep the innermost frames (what it waits in) and the outermost (the user's fn).
         hidden = len(frames) - _MAX_FRAMES

@@ -167,8 +167,10 @@ def launch(
         world_size: number of ranks.
         backend: "gloo" or "nccl" for every rank's :func:`mgtutor.setup`; None lets setup pick
             (NCCL with one GPU per rank, else gloo).
-        timeout: seconds the whole launch may take; past it every rank is stopped and
-            :class:`mgtutor.WorkerTimeout` shows where each running rank was stuck.
+        timeout: seconds fn may run, counted from the moment every rank has started it (the
+            workers' start-up, mostly importing torch, is not counted; it has its own limit of
+            5 minutes). Past it every rank is stopped and :class:`mgtutor.WorkerTimeout` shows
+            where each running rank was stuck.
         **kwargs: keyword arguments for fn. (Names world_size, backend and timeout are taken
             by launch itself; pass such arguments with functools.partial.)
 

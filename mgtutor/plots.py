@@ -210,6 +210,7 @@ def plot_scaling(runs: Sequence[Run]) -> Figure:
             fontsize=8,
         )
     ax.set_xticks(sizes)
+    ax.margins(x=0.12)
     ax.set_xlabel("world size (ranks)")
     ax.set_ylabel("samples / s (all ranks)")
     ax.set_ylim(bottom=0)

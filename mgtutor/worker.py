@@ -372,6 +372,7 @@ def _worker_entry(rank: int, spec: WorkerSpec) -> None:
     peak_was_reset = memory.reset_peak_rss()
     memory.reset_cuda_peaks()
     started = time.perf_counter()
+    _channel.send("started")
     try:
         result = fn(*args, **kwargs)
     except SystemExit as exc:

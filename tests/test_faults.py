@@ -11,6 +11,7 @@ import time
 import pytest
 
 import mgtutor
+from mgtutor import _supervise as supervise
 from tests.helpers import open_fds, worker_children
 
 
@@ -61,6 +62,21 @@ def test_hang_past_timeout_names_ranks_and_shows_stacks() -> None:
     assert "dist.all_reduce(torch.ones(1))" in error.stacks[0]
     assert "time.sleep(3600)" in error.stacks[1]
     assert "ranks still running: 0, 1" in str(error)
+
+
+def test_timeout_does_not_count_start_up_but_start_up_has_a_limit(monkeypatch) -> None:
+    class SlowToUnpickle:
+        # Unpickling this in the worker sleeps first, like a slow import on a busy machine.
+        def __reduce__(self):
+            return (time.sleep, (4,))
+
+    run = mgtutor.launch(lambda arg: "ran", SlowToUnpickle(), world_size=2, timeout=2)
+    assert run.results == ["ran", "ran"]
+
+    monkeypatch.setattr(supervise, "_STARTUP_LIMIT_S", 2.0)
+    with pytest.raises(mgtutor.WorkerTimeout, match="had not started fn after 2 s") as info:
+        mgtutor.launch(lambda arg: "ran", SlowToUnpickle(), world_size=2)
+    assert "cloudpickle.loads(spec.payload)" in info.value.stacks[0]
 
 
 def test_rank_killed_by_a_signal_is_named() -> None:
