@@ -13,6 +13,9 @@ The workbook's helper package. Its modules, in the order the notebooks meet them
 * :mod:`mgtutor.plots`: :func:`plot_memory`, :func:`plot_timeline`, :func:`plot_step_times`,
   :func:`plot_scaling`.
 * :mod:`mgtutor.hardware`: :func:`describe_hardware`, what this machine offers.
+* :mod:`mgtutor.syncbn`: :class:`SyncBatchNorm` that also runs on CPU ranks, and
+  :func:`convert_sync_batchnorm`.
+* :mod:`mgtutor.bench`: the all-reduce bandwidth benchmark (``python -m mgtutor.bench``).
 * :mod:`mgtutor.checkpoint`: :func:`save_checkpoint` that never leaves a half-written file.
 * :mod:`mgtutor.data`: an offline dataset that learns, and CIFAR-10 where available.
 
@@ -33,6 +36,7 @@ from mgtutor.worker import backend_for, get_contract, setup, teardown
 
 __all__ = [
     "HardwareInfo",
+    "SyncBatchNorm",
     "MemoryStats",
     "PhaseRecord",
     "RankResult",
@@ -41,6 +45,7 @@ __all__ = [
     "WorkerError",
     "WorkerTimeout",
     "backend_for",
+    "convert_sync_batchnorm",
     "describe_hardware",
     "get_contract",
     "launch",
@@ -57,3 +62,13 @@ __all__ = [
     "teardown",
     "timer",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # mgtutor.syncbn subclasses a torch class, so importing it imports torch. Workers import
+    # this package first thing; load syncbn only when one of its names is asked for.
+    if name in ("SyncBatchNorm", "convert_sync_batchnorm"):
+        from mgtutor import syncbn
+
+        return getattr(syncbn, name)
+    raise AttributeError(f"module 'mgtutor' has no attribute {name!r}")

@@ -180,3 +180,14 @@ def test_nccl_launch_on_two_gpus() -> None:
     for r in run.ranks:
         assert r.memory.is_cuda and r.memory.peak_allocated >= 2**30
         assert r.memory.peak_reserved >= r.memory.peak_allocated
+
+
+def test_importing_mgtutor_does_not_import_torch() -> None:
+    # Every worker imports mgtutor before anything else; torch's import is the launch's floor.
+    import subprocess
+    import sys
+
+    code = "import sys, mgtutor; print('torch' in sys.modules, 'matplotlib' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["False", "False"], done.stderr
+    assert set(mgtutor.__all__) <= set(dir(mgtutor)) | {"SyncBatchNorm", "convert_sync_batchnorm"}

@@ -1,0 +1,253 @@
+"""All-reduce bandwidth on this machine's backend, against its memory-copy bandwidth.
+
+Run it from a notebook (:func:`measure_allreduce`, then :func:`plot_bandwidth`) or a shell::
+
+    python -m mgtutor.bench --world-size 2 --max-size 64M --plot allreduce.png
+
+For each message size it times ``dist.all_reduce`` on every rank and reports, as nccl-tests do:
+
+* **algorithm bandwidth** ``algbw = S / t``: message bytes over the time of one all-reduce;
+* **bus bandwidth** ``busbw = algbw * 2(n-1)/n``: what each rank's link carried, since a ring
+  all-reduce sends ``2(n-1)/n * S`` bytes from every rank. busbw can be compared across world
+  sizes and with the hardware's link speed; algbw cannot.
+
+The time of a size is the slowest rank's mean over the timed iterations (after warm-up); on GPUs
+the iterations are bracketed by ``torch.cuda.synchronize()``. As a reference ceiling the same run
+measures a plain memory copy of the largest message in one process (``dst.copy_(src)``), counted
+as copied bytes per second: each byte is read once and written once, so the memory traffic is
+twice that figure. On one CPU machine, gloo's loopback all-reduce cannot beat it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["BandwidthPoint", "BandwidthResult", "measure_allreduce", "plot_bandwidth"]
+
+DEFAULT_SIZES = tuple(1024 * 4**i for i in range(9))  # 1 KiB ... 64 MiB
+_TARGET_BYTES_PER_SIZE = 256 * 1024 * 1024  # enough repetitions to time small sizes well
+
+
+@dataclass(frozen=True)
+class BandwidthPoint:
+    """One message size's measurement (bytes, seconds, bytes per second)."""
+
+    size: int
+    seconds: float
+    algbw: float
+    busbw: float
+
+
+@dataclass(frozen=True)
+class BandwidthResult:
+    """A whole sweep: the points, the setting, and the memory-copy reference."""
+
+    points: list[BandwidthPoint]
+    world_size: int
+    backend: str
+    device: str
+    copy_bandwidth: float
+    copy_size: int
+
+    def table(self) -> str:
+        """The sweep as a Markdown table (sizes in KiB/MiB, bandwidths in GB/s)."""
+        lines = [
+            f"all-reduce, {self.backend} on {self.device}, world size {self.world_size}",
+            "| size | time (us) | algbw (GB/s) | busbw (GB/s) |",
+            "| ---: | ---: | ---: | ---: |",
+        ]
+        for p in self.points:
+            lines.append(
+                f"| {_size_label(p.size)} | {p.seconds * 1e6:.1f} | {p.algbw / 1e9:.3f} | "
+                f"{p.busbw / 1e9:.3f} |"
+            )
+        lines.append(
+            f"memory copy of {_size_label(self.copy_size)} in one process: "
+            f"{self.copy_bandwidth / 1e9:.2f} GB/s copied (reads + writes: twice that)"
+        )
+        return "\n".join(lines)
+
+
+def _size_label(size: int) -> str:
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if size >= scale:
+            return f"{size / scale:g} {unit}"
+    return f"{size} B"
+
+
+def _iterations(size: int) -> int:
+    return max(5, min(200, _TARGET_BYTES_PER_SIZE // size))
+
+
+def _sweep(sizes: list[int], warmup: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    import mgtutor
+
+    device = mgtutor.setup()
+    world = dist.get_world_size()
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    points = []
+    for size in sizes:
+        tensor = torch.ones(size // 4, dtype=torch.float32, device=device)
+        for _ in range(warmup):
+            dist.all_reduce(tensor)
+        iterations = _iterations(size)
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        for _ in range(iterations):
+            dist.all_reduce(tensor)
+        sync()
+        mean = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float64)
+        dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+        seconds = mean.item()
+        algbw = size / seconds
+        points.append(BandwidthPoint(size, seconds, algbw, algbw * 2 * (world - 1) / world))
+    return {
+        "points": points,
+        "world_size": world,
+        "backend": dist.get_backend(),
+        "device": str(device),
+    }
+
+
+def _copy_bandwidth(size: int, device: str, repeats: int = 10) -> float:
+    import torch
+
+    src = torch.ones(size // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch allocates the pages; do not time it
+    best = float("inf")
+    for _ in range(repeats):
+        if src.is_cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        if src.is_cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return size / best
+
+
+def measure_allreduce(
+    world_size: int = 2,
+    sizes: list[int] | tuple[int, ...] = DEFAULT_SIZES,
+    *,
+    backend: str | None = None,
+    warmup: int = 3,
+) -> BandwidthResult:
+    """Time all-reduce over ``sizes`` on ``world_size`` ranks, and a memory copy as reference.
+
+    Args:
+        world_size: number of ranks to launch.
+        sizes: message sizes in bytes (multiples of 4: the messages are float32 tensors).
+        backend: "gloo" or "nccl"; by default what :func:`mgtutor.setup` picks.
+        warmup: untimed all-reduces per size before timing.
+
+    Returns:
+        The :class:`BandwidthResult`.
+
+    Raises:
+        ValueError: a size that is not a positive multiple of 4, or no sizes.
+
+    Example:
+        >>> result = measure_allreduce(2, [2**10, 2**20])
+        >>> print(result.table())
+    """
+    import mgtutor
+
+    sizes = sorted(int(s) for s in sizes)
+    if not sizes or any(s <= 0 or s % 4 for s in sizes):
+        raise ValueError(f"sizes must be positive multiples of 4 bytes, got {sizes}")
+    run = mgtutor.launch(_sweep, sizes, warmup, world_size=world_size, backend=backend)
+    sweep = run.results[0]
+    copy_device = "cuda:0" if sweep["device"].startswith("cuda") else "cpu"
+    return BandwidthResult(
+        points=sweep["points"],
+        world_size=sweep["world_size"],
+        backend=sweep["backend"],
+        device=sweep["device"].split(":")[0],
+        copy_bandwidth=_copy_bandwidth(sizes[-1], copy_device),
+        copy_size=sizes[-1],
+    )
+
+
+def plot_bandwidth(result: BandwidthResult) -> Figure:
+    """algbw and busbw against message size (log-log), with the memory-copy line for reference."""
+    import matplotlib.pyplot as plt
+
+    fig = plt.figure(figsize=(7, 4), layout="constrained")
+    plt.close(fig)  # shown once as the returned value in a notebook, see mgtutor.plots
+    ax = fig.add_subplot()
+    sizes = [p.size for p in result.points]
+    ax.plot(sizes, [p.algbw / 1e9 for p in result.points], "o-", label="algorithm bandwidth S/t")
+    ax.plot(
+        sizes,
+        [p.busbw / 1e9 for p in result.points],
+        "s-",
+        label=f"bus bandwidth S/t x 2(n-1)/n, n={result.world_size}",
+    )
+    ax.axhline(
+        result.copy_bandwidth / 1e9,
+        color="grey",
+        linestyle="--",
+        label=f"memory copy of {_size_label(result.copy_size)}, one process",
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ticks = sizes[:: max(1, len(sizes) // 5)]
+    ax.set_xticks(ticks, [_size_label(s) for s in ticks])
+    ax.set_xlabel("message size")
+    ax.set_ylabel("GB/s")
+    ax.set_title(
+        f"all-reduce bandwidth: {result.backend} on {result.device}, {result.world_size} ranks",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _parse_size(text: str) -> int:
+    units = {"K": 2**10, "M": 2**20, "G": 2**30}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line: ``python -m mgtutor.bench --help``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mgtutor.bench", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--world-size", type=int, default=2, help="ranks to launch (default 2)")
+    parser.add_argument("--min-size", type=_parse_size, default="1K", help="smallest message (1K)")
+    parser.add_argument("--max-size", type=_parse_size, default="64M", help="largest message (64M)")
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default=None)
+    parser.add_argument("--plot", metavar="FILE", help="also save the plot to FILE (.png, .svg)")
+    args = parser.parse_args(argv)
+    if args.min_size > args.max_size:
+        parser.error(f"--min-size {args.min_size} is larger than --max-size {args.max_size}")
+    sizes = [s for s in DEFAULT_SIZES if args.min_size <= s <= args.max_size] or [args.max_size]
+    result = measure_allreduce(args.world_size, sizes, backend=args.backend)
+    print(result.table())
+    if args.plot:
+        plot_bandwidth(result).savefig(args.plot)
+        print(f"plot saved to {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

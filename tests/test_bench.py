@@ -1,0 +1,56 @@
+"""The all-reduce bandwidth benchmark: its arithmetic, its table and its command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+from mgtutor import bench  # noqa: E402
+
+
+def test_sweep_reports_nccl_tests_conventions() -> None:
+    result = bench.measure_allreduce(2, [4096, 1024, 65536])
+    assert [p.size for p in result.points] == [1024, 4096, 65536]
+    assert (result.world_size, result.backend, result.device) == (2, "gloo", "cpu")
+    for p in result.points:
+        assert p.seconds > 0
+        assert p.algbw == pytest.approx(p.size / p.seconds)
+        assert p.busbw == pytest.approx(p.algbw * 2 * (2 - 1) / 2)
+    assert result.copy_bandwidth > 0 and result.copy_size == 65536
+    table = result.table()
+    assert "| 64 KiB |" in table and "memory copy of 64 KiB" in table
+    ax = bench.plot_bandwidth(result).axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()][1].startswith("bus bandwidth")
+
+
+def test_bad_sizes_are_refused() -> None:
+    with pytest.raises(ValueError, match="multiples of 4"):
+        bench.measure_allreduce(2, [1023])
+    with pytest.raises(ValueError, match="multiples of 4"):
+        bench.measure_allreduce(2, [])
+    assert bench._parse_size("64M") == 64 * 2**20 and bench._parse_size("1KiB") == 1024
+
+
+def test_command_line(tmp_path) -> None:
+    plot = tmp_path / "bw.png"
+    done = subprocess.run(
+        [sys.executable, "-m", "mgtutor.bench", "--max-size", "16K", "--plot", str(plot)],
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "| 16 KiB |" in done.stdout and "| 1 KiB |" in done.stdout
+    assert plot.stat().st_size > 1000
+    bad = subprocess.run(
+        [sys.executable, "-m", "mgtutor.bench", "--min-size", "1M", "--max-size", "1K"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2 and "larger than --max-size" in bad.stderr
