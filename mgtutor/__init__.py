@@ -13,6 +13,8 @@ The workbook's helper package. Its modules, in the order the notebooks meet them
 * :mod:`mgtutor.plots`: :func:`plot_memory`, :func:`plot_timeline`, :func:`plot_step_times`,
   :func:`plot_scaling`.
 * :mod:`mgtutor.hardware`: :func:`describe_hardware`, what this machine offers.
+* :mod:`mgtutor.interactive`: :class:`Experiment`, controls and a Run button that re-run an
+  experiment and redraw its plot.
 * :mod:`mgtutor.syncbn`: :class:`SyncBatchNorm` that also runs on CPU ranks, and
   :func:`convert_sync_batchnorm`.
 * :mod:`mgtutor.bench`: the all-reduce bandwidth benchmark (``python -m mgtutor.bench``).
@@ -26,6 +28,7 @@ first, and a worker's start-up time is the floor of every launch.
 from mgtutor.checkpoint import load_checkpoint, save_checkpoint
 from mgtutor.errors import WorkerError, WorkerTimeout
 from mgtutor.hardware import HardwareInfo, describe_hardware
+from mgtutor.interactive import Experiment
 from mgtutor.launch import launch
 from mgtutor.memory import MemoryStats
 from mgtutor.plots import plot_memory, plot_scaling, plot_step_times, plot_timeline
@@ -35,6 +38,7 @@ from mgtutor.timing import PhaseRecord, StepTimer, phase, step, timer
 from mgtutor.worker import backend_for, get_contract, setup, teardown
 
 __all__ = [
+    "Experiment",
     "HardwareInfo",
     "SyncBatchNorm",
     "MemoryStats",
