@@ -88,7 +88,8 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
 
     Phases come from :func:`mgtutor.phase` (and "allreduce" from
     :meth:`mgtutor.StepTimer.watch_allreduce`); all-reduce bars are drawn as a thin band in the
-    lower part of the row, because under DDP they overlap the backward pass.
+    lower part of the row, because under DDP they overlap the backward pass. Shorter phases are
+    drawn over longer ones, so a phase timed inside another stays visible.
 
     Args:
         run: what :func:`mgtutor.launch` returned.
@@ -117,8 +118,15 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
         for p in phases:
             if p.name not in names:
                 names.append(p.name)
-    # All-reduce bars last, so they are drawn over the backward pass they overlap.
-    names.sort(key=lambda n: n == "allreduce")
+    # Long phases first, so a phase timed inside another (an all-reduce inside backward, a
+    # SyncBatchNorm exchange inside forward) is drawn on top of it rather than hidden.
+    legend_order = list(names)
+    mean = {
+        n: sum(p.duration for ps in records.values() for p in ps if p.name == n)
+        / max(1, sum(1 for ps in records.values() for p in ps if p.name == n))
+        for n in names
+    }
+    names.sort(key=lambda n: (n == "allreduce", -mean[n]))
     cycle = ["#b3b3b3", "#ffd92f", "#e5c494", "#1b9e77", "#7570b3"]
     colours = {n: _PHASE_COLOURS.get(n, cycle[i % len(cycle)]) for i, n in enumerate(names)}
     origin = min(p.start for phases in records.values() for p in phases)
@@ -136,7 +144,8 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
     ax.set_xlabel("time since the first timed phase shown (ms)")
     ax.set_title("What each rank was doing", fontsize=10)
     handles, labels = ax.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))
+    found = dict(zip(labels, handles))
+    unique = {n: found[n] for n in legend_order if n in found}
     ax.legend(
         unique.values(),
         unique.keys(),

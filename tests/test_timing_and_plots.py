@@ -126,6 +126,24 @@ def test_plot_timeline_and_step_times() -> None:
     assert len(ax.collections) == 6  # forward and backward bars for each rank
     only_first = mgtutor.plot_timeline(run, steps=slice(0, 1)).axes[0]
     assert all(len(c.get_paths()) == 1 for c in only_first.collections)
+    nested = Run(
+        1,
+        [
+            RankResult(
+                0,
+                1,
+                "cpu",
+                "gloo",
+                1.0,
+                run.ranks[0].memory,
+                None,
+                [PhaseRecord("forward", 0, 0.0, 1.0), PhaseRecord("exchange", 0, 0.4, 0.5)],
+            )
+        ],
+        2.0,
+    )
+    drawn = [c.get_label() for c in mgtutor.plot_timeline(nested).axes[0].collections]
+    assert drawn == ["forward", "exchange"], "the nested, shorter phase is drawn on top"
     lines = mgtutor.plot_step_times(run).axes[0].get_lines()
     assert len(lines) == 3 and list(lines[0].get_ydata()) == pytest.approx([100, 100, 100])
 
