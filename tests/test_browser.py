@@ -1,0 +1,553 @@
+"""The workbook in a real browser: JupyterLab, headless Chromium, Run > Run All Cells.
+
+nbval (the notebooks' own tests) runs every cell in a kernel but never renders anything. This test
+does what a learner does: it starts JupyterLab, opens a notebook in Chromium, clears its outputs,
+runs all cells from the Run menu, and then reads the page:
+
+- every code cell ran (has an execution count) and the saved notebook has no error output
+  (stderr streams are expected: warnings, a child's traceback that a cell shows on purpose);
+- the per-rank progress bars (mgtutor.progress: ipywidgets IntProgress, "rank 0", "rank 1", ...)
+  rendered and reached 100%, and no widget failed to render;
+- every matplotlib figure (image/png output) is an image the browser decoded and laid out.
+
+Screenshots go to results/browser/. With MGTUTOR_UPDATE_SCREENSHOT=1 the one of 00_setup's
+progress bars and plot is also copied to docs/workbook.png, the README's picture; a plain run
+never changes a tracked file.
+
+Hermetic: JupyterLab runs on a free port of 127.0.0.1 with a random token and its own temporary
+config, data, runtime and IPython directories, on copies of the notebooks in a temporary directory
+(JupyterLab saves and autosaves; the repository's notebooks are never touched). JupyterLab, its
+kernels and their workers are stopped at the end, also when the test fails.
+
+Needs Chromium and Playwright for Python; nothing downloads a browser:
+    apt-get install -y chromium       # Debian/Ubuntu; or set MGTUTOR_CHROMIUM=/path/to/chrome
+    pip install playwright            # never `playwright install`: the system browser is used
+Without them the test skips and says so. Run it alone: python -m pytest tests/test_browser.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = REPO / "notebooks"
+RESULTS = REPO / "results" / "browser"
+README_SCREENSHOT = REPO / "docs" / "workbook.png"
+
+CHROMIUM = os.environ.get("MGTUTOR_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+VIEWPORT = {"width": 1280, "height": 1200}  # tall enough for 00_setup's bars and a plot
+SERVER_START_S = 90  # JupyterLab answering /api/status
+PAGE_LOAD_S = 90  # the notebook rendered and its kernel idle
+RUN_ALL_S = 300  # Run All Cells, per notebook (measured 25-150 s on 2 shared cores)
+
+# The notebooks run here: each has per-rank progress bars and plots.
+BROWSER_NOTEBOOKS = ["00_setup.ipynb", "02_ddp.ipynb"]
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _browser_or_skip():
+    """Playwright's sync API, or skip the test saying how to install what is missing."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip(
+            "browser test needs Playwright for Python: pip install playwright "
+            "(the browser itself comes from the system: apt-get install -y chromium; "
+            "never `playwright install`)"
+        )
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(
+            f"browser test needs Chromium at {CHROMIUM}: apt-get install -y chromium "
+            "(or set MGTUTOR_CHROMIUM to a Chrome/Chromium executable)"
+        )
+    try:
+        import jupyterlab  # noqa: F401
+    except ImportError:
+        pytest.skip("browser test needs JupyterLab: pip install -r requirements.txt")
+    return sync_playwright
+
+
+# --- JupyterLab as a subprocess ------------------------------------------------------------
+
+
+@dataclass
+class Lab:
+    url: str  # http://127.0.0.1:PORT
+    token: str
+    root: Path  # the temporary copy of notebooks/ JupyterLab serves
+    log: Path
+
+    def api(self, path: str, method: str = "GET") -> object:
+        request = urllib.request.Request(
+            f"{self.url}{path}",
+            method=method,
+            headers={"Authorization": f"token {self.token}"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            body = response.read()
+        return json.loads(body) if body else None
+
+    def page_url(self, notebook: str) -> str:
+        # One workspace per notebook: a workspace restores the tabs opened before in it.
+        workspace = Path(notebook).stem.replace("_", "-")
+        return f"{self.url}/lab/workspaces/{workspace}/tree/{notebook}?token={self.token}"
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _lab_dirs(base: Path) -> dict[str, str]:
+    """Own Jupyter and IPython directories, with settings that keep first-run popups away."""
+    dirs = {name: base / name for name in ("config", "data", "runtime", "ipython")}
+    for path in dirs.values():
+        path.mkdir(parents=True)
+    # news_url None: JupyterLab fetches no news feed; no update check; no extension manager
+    # asking PyPI. A null cannot be given on the command line, hence the file.
+    (dirs["config"] / "jupyter_server_config.json").write_text(
+        json.dumps(
+            {
+                "LabApp": {
+                    "news_url": None,
+                    "check_for_updates_class": "jupyterlab.NeverCheckForUpdate",
+                    "extension_manager": "readonly",
+                },
+            }
+        )
+    )
+    # The "Would you like to get notified about official Jupyter news?" toast is asked while
+    # fetchNews is "none" (the default); "false" is the learner's answer "No".
+    settings = dirs["config"] / "lab" / "user-settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
+    # Each cell's start and end go into its metadata: the test reports the slowest cells.
+    notebook_settings = settings.parent / "notebook-extension"
+    notebook_settings.mkdir()
+    (notebook_settings / "tracker.jupyterlab-settings").write_text(
+        json.dumps({"recordTiming": True})
+    )
+    return {
+        "JUPYTER_CONFIG_DIR": str(dirs["config"]),
+        "JUPYTER_DATA_DIR": str(dirs["data"]),
+        "JUPYTER_RUNTIME_DIR": str(dirs["runtime"]),
+        "IPYTHONDIR": str(dirs["ipython"]),
+    }
+
+
+def _copy_notebooks(dest: Path) -> None:
+    dest.mkdir()
+    for notebook in NOTEBOOKS.glob("*.ipynb"):
+        shutil.copy2(notebook, dest / notebook.name)
+    if (NOTEBOOKS / "scripts").is_dir():
+        shutil.copytree(
+            NOTEBOOKS / "scripts", dest / "scripts", ignore=shutil.ignore_patterns("__pycache__")
+        )
+
+
+def _stop_lab(proc: subprocess.Popen, lab: Lab) -> None:
+    """Stop JupyterLab, its kernels and whatever they started; never leave a process behind."""
+    try:
+        family = psutil.Process(proc.pid).children(recursive=True)  # kernels and their workers
+    except psutil.Error:
+        family = []
+    with contextlib.suppress(Exception):  # kernels first, politely: they stop their workers
+        for session in lab.api("/api/sessions"):  # type: ignore[union-attr]
+            lab.api(f"/api/sessions/{session['id']}", method="DELETE")
+    for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        if proc.poll() is not None:
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)  # the server's own process group
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait_s)
+    # Kernels run in process groups of their own; anything of the family still here goes now.
+    for member in family:
+        with contextlib.suppress(psutil.Error):
+            member.kill()
+    psutil.wait_procs(family, timeout=5)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
+    _browser_or_skip()
+    base = tmp_path_factory.mktemp("browser")
+    root = base / "notebooks"
+    _copy_notebooks(root)
+    token = secrets.token_hex(16)
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_CURRENT_TEST", "MPLBACKEND")}
+    env.update(_lab_dirs(base / "jupyter"))
+    # The kernel imports this checkout's mgtutor, whichever checkout the venv was installed from.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    cmd = [
+        sys.executable, "-m", "jupyter", "lab",
+        "--no-browser",
+        "--ip=127.0.0.1",
+        f"--port={port}",
+        "--ServerApp.port_retries=0",  # the port chosen, or fail: never a silent other one
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}",
+        "--allow-root",  # CI containers run as root; harmless otherwise
+    ]  # fmt: skip
+    log = base / "jupyterlab.log"
+    lab = Lab(url=f"http://127.0.0.1:{port}", token=token, root=root, log=log)
+    with open(log, "wb") as log_file:
+        proc = subprocess.Popen(
+            cmd, cwd=root, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"JupyterLab exited with {proc.returncode}:\n{lab.log_tail()}")
+            try:
+                lab.api("/api/status")
+                break
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"JupyterLab did not answer in {SERVER_START_S} s:\n"
+                                f"{lab.log_tail()}")  # fmt: skip
+                time.sleep(0.5)
+        yield lab
+    finally:
+        _stop_lab(proc, lab)
+        if RESULTS.is_dir():
+            shutil.copy2(log, RESULTS / "jupyterlab.log")
+
+
+@pytest.fixture(scope="module")
+def browser(lab: Lab):
+    sync_playwright = _browser_or_skip()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+# --- reading the page -----------------------------------------------------------------------
+
+# Everything is read inside the notebook panel on show, so another tab can never answer.
+_PANEL = "document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)')"
+
+STATE_JS = f"""() => {{
+  const panel = {_PANEL};
+  if (!panel) return null;
+  const indicator = panel.querySelector('.jp-Notebook-ExecutionIndicator');
+  const status = Array.from(document.querySelectorAll('.jp-StatusBar-TextItem'))
+                      .map(e => e.textContent.trim()).find(t => t.includes(' | ')) || '';
+  return {{
+    kernel: indicator ? indicator.dataset.status : null,
+    status: status,
+    prompts: Array.from(panel.querySelectorAll('.jp-CodeCell .jp-InputPrompt'))
+                  .map(e => e.textContent.trim()),
+  }};
+}}"""
+
+# mgtutor.progress draws, per rank, an HBox [IntProgress(description="rank N"), Label("... (P%)")]
+# ipywidgets 8 renders IntProgress as .widget-hprogress > label.widget-label + .progress >
+# .progress-bar, whose style width is (value - min) / (max - min) as a percentage.
+PROGRESS_JS = f"""() => {{
+  const panel = {_PANEL};
+  return Array.from(panel.querySelectorAll('.widget-hprogress, .widget-progress')).map(bar => {{
+    const description = bar.querySelector('.widget-label');
+    const fill = bar.querySelector('.progress-bar');
+    const label = Array.from(bar.parentElement.children)
+                       .find(e => e !== bar && e.classList.contains('widget-label'));
+    return {{
+      description: description ? description.textContent.trim() : '',
+      width: fill ? fill.style.width : '',
+      style: fill ? fill.className : '',
+      label: label ? label.textContent.trim() : '',
+    }};
+  }});
+}}"""
+
+# Every image/png output (cell outputs and those inside Output widgets), scrolled into view so
+# the browser lays it out, with its decoded and its drawn size.
+IMAGES_JS = f"""async () => {{
+  const panel = {_PANEL};
+  const images = Array.from(panel.querySelectorAll(
+      '.jp-OutputArea-output[data-mime-type="image/png"] img'));
+  const out = [];
+  for (const img of images) {{
+    img.scrollIntoView({{block: 'center'}});
+    await new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+    if (!img.complete || img.naturalWidth === 0) {{ try {{ await img.decode(); }} catch (e) {{}} }}
+    const box = img.getBoundingClientRect();
+    out.push({{natural: [img.naturalWidth, img.naturalHeight], drawn: [box.width, box.height]}});
+  }}
+  return out;
+}}"""
+
+# The notebook is ready for Run All when all its cells are in the page and the status bar says
+# its kernel is idle ("Python 3 (ipykernel) | Idle"). The toolbar's execution indicator alone
+# also says idle while the page still shows "No Kernel | Initializing".
+READY_JS = f"""(cells) => {{
+  const panel = {_PANEL};
+  if (!panel || panel.querySelectorAll('.jp-Notebook .jp-Cell').length !== cells) return false;
+  const kernel = Array.from(document.querySelectorAll('.jp-StatusBar-TextItem'))
+                      .map(e => e.textContent.trim()).find(t => t.includes(' | '));
+  return !!kernel && !kernel.startsWith('No Kernel') && kernel.endsWith('| Idle');
+}}"""
+
+SAVED_MESSAGE_GONE_JS = """() => !Array.from(document.querySelectorAll('.jp-StatusBar-TextItem'))
+    .some(e => e.textContent.includes('Saving'))"""
+
+WIDGET_TROUBLE_JS = f"""() => {{
+  const text = {_PANEL}.textContent;
+  return ['Error displaying widget', 'Loading widget...', 'Failed to display']
+    .filter(s => text.includes(s));
+}}"""
+
+# Scroll the notebook so the first progress bars are near the top, under the last lines of the
+# cell that launched them, and say whether they and the next figure are both in view.
+SCROLL_TO_BARS_JS = f"""async () => {{
+  const panel = {_PANEL};
+  const bar = panel.querySelector('.widget-hprogress');
+  if (!bar) return null;
+  const frame = () => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)));
+  const scroller = bar.closest('.jp-WindowedPanel-outer');
+  const wrapper = bar.closest('.jp-Cell-outputWrapper');
+  wrapper.scrollIntoView({{block: 'start'}});
+  // Cells off screen are laid out lazily (content-visibility), so the page can shift while
+  // scrolling: aim again until it holds still.
+  for (let i = 0; scroller && i < 20; i++) {{
+    await frame();
+    const delta = wrapper.getBoundingClientRect().top - scroller.getBoundingClientRect().top - 60;
+    if (Math.abs(delta) < 2) break;
+    scroller.scrollTop += delta;
+  }}
+  await frame();
+  const cell = bar.closest('.jp-Cell');
+  const cells = Array.from(panel.querySelectorAll('.jp-Cell'));
+  const plot = cells.slice(cells.indexOf(cell))
+      .map(c => c.querySelector('.jp-OutputArea-output[data-mime-type="image/png"] img'))
+      .find(Boolean);
+  const view = (scroller || panel).getBoundingClientRect();
+  return {{
+    bars: bar.getBoundingClientRect().top >= view.top,
+    plot: !!plot && plot.getBoundingClientRect().bottom <= view.bottom,
+  }};
+}}"""
+
+
+def _menu(page, menu: str, command: str) -> None:
+    """Click a main-menu entry, as a learner does: e.g. Run > Run All Cells.
+
+    An entry is greyed out while the notebook is still being set up; then close the menu and
+    look again.
+    """
+    item = f".lm-Menu li.lm-Menu-item[data-command='{command}']"
+    deadline = time.monotonic() + 30
+    while True:
+        page.click(f".lm-MenuBar-itemLabel:text-is('{menu}')")
+        page.wait_for_selector(item, timeout=10_000)
+        if page.query_selector(f"{item}:not(.lm-mod-disabled)"):
+            page.click(item)
+            return
+        page.keyboard.press("Escape")
+        if time.monotonic() > deadline:
+            pytest.fail(f"menu entry {menu} > {command} stayed disabled for 30 s")
+        time.sleep(0.5)
+
+
+def _dismiss_popups(page) -> None:
+    """Close any notification toast (none is expected with the settings above) and dialog."""
+    for close in page.query_selector_all(".jp-Notification-Toast-Close, .Toastify__close-button"):
+        with contextlib.suppress(Exception):
+            close.click(timeout=2000)
+    if page.query_selector(".jp-Dialog"):
+        page.keyboard.press("Escape")
+
+
+def _wait_run_all(page) -> dict:
+    """Wait until Run All has finished: something ran, nothing is queued, the kernel is idle."""
+    deadline = time.monotonic() + RUN_ALL_S
+    started, settled, state = False, 0, None
+    while time.monotonic() < deadline:
+        state = page.evaluate(STATE_JS)
+        running = any("*" in p for p in state["prompts"])
+        started = started or running or any(p[1:-2].isdigit() for p in state["prompts"])
+        if state["kernel"] in ("dead", "unknown") or any(
+            word in state["status"] for word in ("Dead", "Restarting", "Unknown")
+        ):
+            pytest.fail(f"the kernel died while running all cells: {state}")
+        idle = state["kernel"] == "idle" and state["status"].endswith("| Idle")
+        settled = settled + 1 if started and not running and idle else 0
+        if settled >= 3:  # idle three polls in a row: not a gap between two cells
+            return state
+        time.sleep(0.5)
+    pytest.fail(f"Run All Cells did not finish in {RUN_ALL_S} s; last state {state}")
+
+
+def _save_and_read(page, path: Path) -> dict:
+    """File > Save Notebook, then the notebook as saved: outputs with their types."""
+    before = path.stat().st_mtime_ns
+    _menu(page, "File", "docmanager:save")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if path.stat().st_mtime_ns != before and not page.query_selector(".jp-mod-dirty"):
+            with contextlib.suppress(json.JSONDecodeError):
+                return json.loads(path.read_text())
+        time.sleep(0.3)
+    pytest.fail(f"{path.name} was not saved within 30 s")
+
+
+def _slowest(code_cells: list[dict], n: int = 3) -> str:
+    """The n slowest cells by the timing JupyterLab recorded in their metadata."""
+    times = []
+    for i, cell in enumerate(code_cells):
+        execution = cell.get("metadata", {}).get("execution", {})
+        start, end = execution.get("iopub.execute_input"), execution.get("shell.execute_reply")
+        if start and end:
+            seconds = (_timestamp(end) - _timestamp(start)).total_seconds()
+            times.append((seconds, i))
+    return ", ".join(f"code cell {i} {s:.1f} s" for s, i in sorted(times, reverse=True)[:n])
+
+
+def _timestamp(text: str) -> datetime:
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
+# --- the test -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("notebook", BROWSER_NOTEBOOKS)
+def test_notebook_runs_in_jupyterlab(lab: Lab, browser, notebook: str) -> None:
+    stem = Path(notebook).stem
+    for old in RESULTS.glob(f"{stem}-*.png"):
+        old.unlink()
+    context = browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    console_errors: list[str] = []
+    page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
+    try:
+        cells = len(json.loads((lab.root / notebook).read_text())["cells"])
+        page.goto(lab.page_url(notebook))
+        page.wait_for_function(READY_JS, arg=cells, timeout=PAGE_LOAD_S * 1000, polling=250)
+        _dismiss_popups(page)
+        # Fold the left sidebar (the file browser) away, as a click on its tab does: the
+        # notebook gets the width, the screenshots show more of it.
+        for tab in page.query_selector_all(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current"):
+            tab.click()
+        page.screenshot(path=str(RESULTS / f"{stem}-1-opened.png"))
+
+        # Clear the stored outputs, so that everything checked below comes from this run.
+        _menu(page, "Edit", "editmenu:clear-all")
+        page.wait_for_function(
+            f"() => !{_PANEL}.querySelector('.jp-OutputArea-output')", timeout=10_000
+        )
+        started = time.monotonic()
+        _menu(page, "Run", "runmenu:run-all")
+        state = _wait_run_all(page)
+        run_s = time.monotonic() - started
+        print(f"{notebook}: Run All Cells took {run_s:.1f} s in the browser")
+        _dismiss_popups(page)
+
+        # 1. Every cell ran, and none raised. A failing cell stops Run All: the cells after it
+        # keep an empty prompt. The saved copy tells errors from stderr, which the page does not.
+        saved = _save_and_read(page, lab.root / notebook)
+        code_cells = [c for c in saved["cells"] if c["cell_type"] == "code"]
+        errors = [
+            f"cell {i} ({''.join(c['source']).splitlines()[0][:60]!r}): "
+            f"{o.get('ename')}: {o.get('evalue')}"
+            for i, c in enumerate(saved["cells"])
+            for o in c.get("outputs", [])
+            if o["output_type"] == "error"
+        ]
+        assert not errors, f"error outputs in {notebook}:\n" + "\n".join(errors)
+        not_run = [i for i, c in enumerate(code_cells) if c.get("execution_count") is None]
+        assert not not_run, f"code cells {not_run} of {notebook} did not run; prompts {state}"
+        assert all(p[1:-2].isdigit() for p in state["prompts"]), state
+        trouble = page.evaluate(WIDGET_TROUBLE_JS)
+        assert not trouble, f"widgets did not render in {notebook}: {trouble}"
+
+        # 2. The per-rank progress bars rendered and reached 100%.
+        bars = [b for b in page.evaluate(PROGRESS_JS) if b["description"].startswith("rank ")]
+        assert {"rank 0", "rank 1"} <= {b["description"] for b in bars}, (
+            f"no per-rank progress bars rendered in {notebook}: {bars}"
+        )
+        unfinished = [b for b in bars if b["width"] != "100%" or "(100%)" not in b["label"]]
+        assert not unfinished, f"progress bars short of 100% in {notebook}: {unfinished}"
+        assert all("progress-bar-success" in b["style"] for b in bars), bars
+        in_view = page.evaluate(SCROLL_TO_BARS_JS)
+        with contextlib.suppress(Exception):  # the status bar's "Saving completed" fades out
+            page.wait_for_function(SAVED_MESSAGE_GONE_JS, timeout=5000)
+        page.wait_for_timeout(300)
+        page.screenshot(path=str(RESULTS / f"{stem}-2-progress.png"))
+
+        # 3. Every figure is visible: decoded (natural size) and laid out (drawn size).
+        images = page.evaluate(IMAGES_JS)
+        pngs_saved = sum(
+            "image/png" in o.get("data", {}) for c in code_cells for o in c.get("outputs", [])
+        )
+        assert images, f"no image/png output rendered in {notebook}"
+        assert len(images) >= pngs_saved, (len(images), pngs_saved)
+        blank = [i for i in images if min(i["natural"]) <= 0 or min(i["drawn"]) <= 0]
+        assert not blank, f"figures not visible in {notebook}: {blank}"
+        for n, output in enumerate(
+            page.query_selector_all(
+                ".jp-NotebookPanel:not(.lm-mod-hidden) "
+                ".jp-OutputArea-output[data-mime-type='image/png']"
+            ),
+            start=1,
+        ):
+            output.screenshot(path=str(RESULTS / f"{stem}-3-plot{n}.png"))
+        page.screenshot(path=str(RESULTS / f"{stem}-4-end.png"))
+        print(f"{notebook}: {len(code_cells)} cells ran, {len(bars)} rank bars at 100%, "
+              f"{len(images)} figures visible; slowest cells: {_slowest(code_cells)}")  # fmt: skip
+
+        if stem == "00_setup" and os.environ.get("MGTUTOR_UPDATE_SCREENSHOT") == "1":
+            assert in_view == {"bars": True, "plot": True}, f"screenshot would miss: {in_view}"
+            README_SCREENSHOT.parent.mkdir(exist_ok=True)
+            shutil.copy2(RESULTS / f"{stem}-2-progress.png", README_SCREENSHOT)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            page.screenshot(path=str(RESULTS / f"{stem}-failed.png"))
+        if console_errors:
+            print(f"browser console errors ({len(console_errors)}):", *console_errors[-10:],
+                  sep="\n  ")  # fmt: skip
+        print("JupyterLab log (tail):", lab.log_tail(), sep="\n")
+        raise
+    finally:
+        context.close()
