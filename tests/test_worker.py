@@ -31,12 +31,15 @@ LAUNCHER_VARS = (
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    saved = dict(os.environ)  # setup() under SLURM writes RANK etc. itself: restore everything
     for name in LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
     threads = torch.get_num_threads()
     yield monkeypatch
     mgtutor.teardown()
     torch.set_num_threads(threads)
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def free_port() -> int:
@@ -148,6 +151,11 @@ def test_backend_for_a_machine_without_gpus(clean_env) -> None:
     clean_env.setenv("MASTER_PORT", str(free_port()))
     with pytest.raises(ValueError, match="needs one GPU per rank"):
         mgtutor.setup("nccl")
+
+
+def test_no_launcher_variable_leaks_out_of_these_tests() -> None:
+    # The notebooks' kernels inherit pytest's environment: a leaked RANK changes what they see.
+    assert not [name for name in LAUNCHER_VARS if name in os.environ]
 
 
 def test_describe_hardware_matches_torch_and_the_os() -> None:
