@@ -13,6 +13,7 @@ wait at a barrier before loading, so that nobody reads a checkpoint that is not 
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,9 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        # mkstemp makes the file private (0600); give it the mode a plain open() would have
+        # given a new file, or the mode of the checkpoint it replaces.
+        os.fchmod(fd, _mode_for(target))
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
@@ -53,7 +57,32 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
     except BaseException:
         os.unlink(temporary)
         raise
+    _fsync_directory(target.parent)
     return target
+
+
+def _mode_for(target: Path) -> int:
+    try:
+        return stat.S_IMODE(target.stat().st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def _fsync_directory(folder: Path) -> None:
+    # The rename lives in the folder's entry list: without this a power cut right after
+    # save_checkpoint returned can still bring back the old file (or none) on some file systems.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return  # no directory handles on this platform
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a directory; the rename itself still happened
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(path: str | os.PathLike[str], map_location: Any = "cpu") -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -33,3 +35,28 @@ def test_loading_refuses_code_and_missing_files(tmp_path: Path) -> None:
     torch.save({"obj": Path("x")}, unsafe)  # an arbitrary class: weights_only must refuse it
     with pytest.raises(Exception, match="weights_only"):
         load_checkpoint(unsafe)
+
+
+def test_new_file_gets_the_umask_mode_and_a_replaced_one_keeps_its_mode(tmp_path: Path) -> None:
+    old_umask = os.umask(0o027)
+    try:
+        path = save_checkpoint({"epoch": 1}, tmp_path / "ckpt.pt")
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640  # as open() would have made it
+    path.chmod(0o604)
+    save_checkpoint({"epoch": 2}, path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o604
+
+
+def test_the_folder_is_synced_after_the_rename(tmp_path: Path, monkeypatch) -> None:
+    synced = []
+    real_fsync = os.fsync
+
+    def record(fd: int) -> None:
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", record)
+    path = save_checkpoint({"epoch": 1}, tmp_path / "ckpt.pt")
+    assert synced[-1] == str(path.parent.resolve()), synced
