@@ -12,10 +12,15 @@ For each message size it times ``dist.all_reduce`` on every rank and reports, as
   sizes and with the hardware's link speed; algbw cannot.
 
 The time of a size is the slowest rank's mean over the timed iterations (after warm-up); on GPUs
-the iterations are bracketed by ``torch.cuda.synchronize()``. As a reference ceiling the same run
-measures a plain memory copy of the largest message in one process (``dst.copy_(src)``), counted
-as copied bytes per second: each byte is read once and written once, so the memory traffic is
-twice that figure. On one CPU machine, gloo's loopback all-reduce cannot beat it.
+the iterations are bracketed by ``torch.cuda.synchronize()``, since NCCL's all-reduce only
+queues work on the GPU and returns. As a reference ceiling the same run measures a plain memory
+copy of the largest message in one process (``dst.copy_(src)``), counted as copied bytes per
+second: each byte is read once and written once, so the memory traffic is twice that figure. On
+one CPU machine, gloo's loopback all-reduce cannot beat it.
+
+Everything runs in the ranks, the copy included (rank 0 makes it, on its own device): the
+calling process never touches CUDA, so a notebook that runs the benchmark keeps no GPU memory
+and can still use launchers that fork.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
     from matplotlib.figure import Figure
 
 __all__ = ["BandwidthPoint", "BandwidthResult", "measure_allreduce", "plot_bandwidth"]
@@ -85,7 +91,19 @@ def _iterations(size: int) -> int:
     return max(5, min(200, _TARGET_BYTES_PER_SIZE // size))
 
 
+def _barrier(device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        # NCCL's barrier is an all-reduce of one number on some GPU; name this rank's, or torch
+        # guesses it (and warns) when init_process_group was not given a device_id.
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
 def _sweep(sizes: list[int], warmup: int) -> dict[str, Any]:
+    """One rank's side of :func:`measure_allreduce`: time every size, then (rank 0) the copy."""
     import torch
     import torch.distributed as dist
 
@@ -100,44 +118,74 @@ def _sweep(sizes: list[int], warmup: int) -> dict[str, Any]:
 
     points = []
     for size in sizes:
-        tensor = torch.ones(size // 4, dtype=torch.float32, device=device)
+        # Zeros stay zeros however often they are summed. Ones would double at every all-reduce
+        # on 2 ranks and overflow float32 to infinity after 128, so sums of infinities were timed.
+        tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
         for _ in range(warmup):
             dist.all_reduce(tensor)
         iterations = _iterations(size)
-        dist.barrier()
+        _barrier(device)
         sync()
         start = time.perf_counter()
         for _ in range(iterations):
             dist.all_reduce(tensor)
         sync()
-        mean = torch.tensor([(time.perf_counter() - start) / iterations], dtype=torch.float64)
+        # On the rank's device: NCCL reduces CUDA tensors only.
+        mean = torch.tensor(
+            [(time.perf_counter() - start) / iterations], dtype=torch.float64, device=device
+        )
         dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
         seconds = mean.item()
         algbw = size / seconds
         points.append(BandwidthPoint(size, seconds, algbw, algbw * 2 * (world - 1) / world))
+
+    copy_bandwidth = _copy_bandwidth(sizes[-1], device) if dist.get_rank() == 0 else None
+    # The other ranks wait here, idle, instead of exiting while rank 0 copies: their exit
+    # would compete with the copy for the CPU and the memory bus.
+    _barrier(device)
     return {
         "points": points,
         "world_size": world,
         "backend": dist.get_backend(),
         "device": str(device),
+        "copy_bandwidth": copy_bandwidth,
     }
 
 
-def _copy_bandwidth(size: int, device: str, repeats: int = 10) -> float:
+def _copy_bandwidth(size: int, device: torch.device, repeats: int = 10) -> float:
+    """Bytes per second of the fastest of ``repeats`` copies of ``size`` bytes on ``device``."""
     import torch
 
     src = torch.ones(size // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch allocates the pages; do not time it
     best = float("inf")
-    for _ in range(repeats):
-        if src.is_cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        if src.is_cuda:
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
+    if device.type == "cuda":
+        # CUDA events time the copy on the GPU itself. A host timer around synchronize() would
+        # add microseconds of launch and wake-up latency to a copy that lasts tens of them.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(device):
+            for _ in range(repeats):
+                start.record()
+                dst.copy_(src)
+                end.record()
+                end.synchronize()
+                best = min(best, start.elapsed_time(end) / 1e3)  # given in milliseconds
+        return size / best
+
+    from mgtutor.worker import _usable_cores
+
+    # setup() gave this rank its share of the cores; the ceiling is a copy that may use all of
+    # them, while the other ranks wait in a barrier.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(_usable_cores())
+    try:
+        for _ in range(repeats):
+            start_s = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start_s)
+    finally:
+        torch.set_num_threads(threads)
     return size / best
 
 
@@ -149,6 +197,9 @@ def measure_allreduce(
     warmup: int = 3,
 ) -> BandwidthResult:
     """Time all-reduce over ``sizes`` on ``world_size`` ranks, and a memory copy as reference.
+
+    The copy of the largest size is made by rank 0 on its own device (a GPU with NCCL), so this
+    process never initializes CUDA.
 
     Args:
         world_size: number of ranks to launch.
@@ -173,13 +224,12 @@ def measure_allreduce(
         raise ValueError(f"sizes must be positive multiples of 4 bytes, got {sizes}")
     run = mgtutor.launch(_sweep, sizes, warmup, world_size=world_size, backend=backend)
     sweep = run.results[0]
-    copy_device = "cuda:0" if sweep["device"].startswith("cuda") else "cpu"
     return BandwidthResult(
         points=sweep["points"],
         world_size=sweep["world_size"],
         backend=sweep["backend"],
         device=sweep["device"].split(":")[0],
-        copy_bandwidth=_copy_bandwidth(sizes[-1], copy_device),
+        copy_bandwidth=sweep["copy_bandwidth"],
         copy_size=sizes[-1],
     )
 

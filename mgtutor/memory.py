@@ -6,7 +6,8 @@ Two different things are measured, and the plots label which:
   and ``torch.cuda.max_memory_reserved`` (bytes the caching allocator took from the driver at
   its peak; always at least the allocated figure). Both count this process's tensors on this
   rank's device only: not the CUDA context (a few hundred MiB per process, visible in
-  ``nvidia-smi``), and not other processes on the same GPU.
+  ``nvidia-smi``), not NCCL's own buffers (allocated outside the caching allocator), and not
+  other processes on the same GPU.
 * On every rank: the process's resident set size (RSS) when fn started and its peak RSS while
   fn ran. RSS counts the whole worker process: the Python interpreter and torch's libraries
   (several hundred MiB once torch is imported) plus fn's CPU tensors. It does not count

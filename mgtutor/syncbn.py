@@ -22,8 +22,13 @@ The cost is one small all-reduce (2C+1 numbers for C channels) per batch-norm la
 and one (2C numbers) in backward: little data, but each one is a point where every rank waits
 for the slowest.
 
+On a GPU the layer does not use this code: in training with more than one rank, a CUDA input
+goes through torch's own ``torch.nn.SyncBatchNorm`` kernels (fused; each rank's mean and inverse
+standard deviation, computed with Welford's algorithm, are gathered from every rank), so a model
+is as fast on GPUs whether it was converted before or after ``model.to(device)``.
+
 :func:`convert_sync_batchnorm` swaps every BatchNorm layer of a model for a synchronized one:
-torch's own for a model on CUDA, this module's otherwise.
+torch's own for a layer already on CUDA, this module's otherwise.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules._functions import SyncBatchNorm as _TorchSyncBatchNormFunction
 from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
@@ -168,6 +174,10 @@ class SyncBatchNorm(_BatchNorm):
     no process group, or a group of one) it is exactly ``torch.nn.BatchNorm*d``, and in eval
     mode it communicates nothing, so ranks may evaluate independently.
 
+    Which code synchronizes is decided by each input, not by where the layer was made: a CPU
+    input runs this module's implementation (sums and ``dist.all_reduce``); a CUDA input runs
+    the autograd Function behind ``torch.nn.SyncBatchNorm``, exactly what torch's layer runs.
+
     The running statistics come out identical on every rank, since each rank updates them
     from the same all-reduced sums.
 
@@ -257,7 +267,8 @@ class SyncBatchNorm(_BatchNorm):
         running_mean = self.running_mean if pass_buffers else None
         running_var = self.running_var if pass_buffers else None
 
-        if not self.training or self._group_size() == 1:
+        group_size = self._group_size()
+        if not self.training or group_size == 1:
             return F.batch_norm(
                 input,
                 running_mean,
@@ -267,6 +278,22 @@ class SyncBatchNorm(_BatchNorm):
                 use_batch_stats,
                 momentum,
                 self.eps,
+            )
+        if input.is_cuda:
+            # torch's own kernels, called as torch.nn.SyncBatchNorm.forward calls them. A model
+            # converted on the CPU and then moved to a GPU runs the same code as one converted
+            # on the GPU, and NCCL gets the collectives it is tuned for (an all-gather of each
+            # rank's mean, inverse std and count in forward; an all-reduce in backward).
+            return _TorchSyncBatchNormFunction.apply(
+                input,
+                self.weight,
+                self.bias,
+                running_mean,
+                running_var,
+                self.eps,
+                momentum,
+                self.process_group or dist.group.WORLD,
+                group_size,
             )
         return _SyncBatchNormFunction.apply(
             input,
@@ -280,14 +307,20 @@ class SyncBatchNorm(_BatchNorm):
         )
 
 
-def _is_on_cuda(module: nn.Module) -> bool:
-    return any(t.is_cuda for t in itertools.chain(module.parameters(), module.buffers()))
+def _is_on_cuda(layer: nn.Module) -> bool:
+    """Whether any of the layer's own parameters or buffers (not its children's) is on CUDA."""
+    tensors = itertools.chain(layer.parameters(recurse=False), layer.buffers(recurse=False))
+    return any(t.is_cuda for t in tensors)
 
 
 def _convert(module: nn.Module, process_group: dist.ProcessGroup | None) -> nn.Module:
     converted = module
     if isinstance(module, _BatchNorm):
-        converted = SyncBatchNorm(
+        # Decided per layer, from its own tensors: a model may sit partly on the CPU. A layer
+        # with no tensors (affine=False, no running statistics) gets this module's class, which
+        # runs torch's kernels anyway once its input is on CUDA.
+        layer_class = nn.SyncBatchNorm if _is_on_cuda(module) else SyncBatchNorm
+        converted = layer_class(
             module.num_features,
             module.eps,
             module.momentum,
@@ -315,12 +348,15 @@ def convert_sync_batchnorm(
 ) -> nn.Module:
     """Replace every BatchNorm layer in ``module`` with a synchronized one.
 
-    A model with any parameter or buffer on CUDA gets torch's
-    ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` (fast fused kernels); any other model gets
-    this module's :class:`SyncBatchNorm`. Either way the new layers keep the old ones' weight,
-    bias, running statistics, batch count, requires_grad, train/eval mode and qconfig, and every
-    other layer is left as it is. Convert before wrapping the model in
-    DistributedDataParallel, and before creating the optimizer.
+    A BatchNorm layer whose parameters or buffers are on CUDA becomes torch's
+    ``torch.nn.SyncBatchNorm``; any other becomes this module's :class:`SyncBatchNorm`, which
+    runs torch's CUDA kernels too as soon as its input is on a GPU. So the order does not
+    matter: converting before or after ``model.to(device)`` computes the same on GPUs, with
+    torch's kernels, and a model on the CPU gets layers that work with gloo (and that
+    DistributedDataParallel accepts on the CPU, which it refuses for torch's layer). The new
+    layers keep the old ones' weight, bias, running statistics, batch count, requires_grad,
+    train/eval mode and qconfig, and every other layer is left as it is. Convert before
+    wrapping the model in DistributedDataParallel, and before creating the optimizer.
 
     Args:
         module: a model, or a single BatchNorm layer.
@@ -335,6 +371,4 @@ def convert_sync_batchnorm(
         >>> convert_sync_batchnorm(model)[1]
         SyncBatchNorm(8, eps=1e-05, momentum=0.1, affine=True, bias=True, track_running_stats=True)
     """
-    if _is_on_cuda(module):
-        return nn.SyncBatchNorm.convert_sync_batchnorm(module, process_group)
     return _convert(module, process_group)

@@ -78,14 +78,17 @@ class _CudaClock:
         import torch
 
         self._torch = torch
+        # Record on this device's stream: Event.record() without one uses the *current*
+        # device's stream, which is another GPU's when the current device was never set.
+        self._stream = torch.cuda.current_stream(device)
         torch.cuda.synchronize(device)
         self._anchor_time = time.perf_counter()
         self._anchor = torch.cuda.Event(enable_timing=True)
-        self._anchor.record()
+        self._anchor.record(self._stream)
 
     def mark(self) -> Any:
         event = self._torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(self._stream)
         return event
 
     def resolve(self, mark: Any) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from unittest import mock
 
 import matplotlib
 import pytest
@@ -26,6 +27,14 @@ def test_sweep_reports_nccl_tests_conventions() -> None:
     assert "| 64 KiB |" in table and "memory copy of 64 KiB" in table
     ax = bench.plot_bandwidth(result).axes[0]
     assert [t.get_text() for t in ax.get_legend().get_texts()][1].startswith("bus bandwidth")
+
+
+def test_memory_copy_is_measured_in_rank_zero_not_in_the_calling_process() -> None:
+    # On GPUs a copy here would initialize CUDA in the notebook's own process.
+    refuse = AssertionError("the memory copy ran in the calling process")
+    with mock.patch.object(bench, "_copy_bandwidth", side_effect=refuse):
+        result = bench.measure_allreduce(2, [4096])
+    assert result.copy_bandwidth > 0 and result.copy_size == 4096
 
 
 def test_bad_sizes_are_refused() -> None:

@@ -335,3 +335,7 @@ def test_convert_sync_batchnorm_replaces_batchnorm_layers_and_keeps_their_state(
 def test_convert_sync_batchnorm_on_cuda_uses_torch_syncbatchnorm() -> None:
     converted = convert_sync_batchnorm(_model_with_batchnorms().cuda())
     assert type(converted[1]) is nn.SyncBatchNorm and type(converted[5][0]) is nn.SyncBatchNorm
+    # Converted before the move: mgtutor's class, which hands CUDA inputs to torch's kernels
+    # (checked on 2 GPUs in tests/test_gpu.py). Its tensors follow the model to the GPU.
+    moved = convert_sync_batchnorm(_model_with_batchnorms()).cuda()
+    assert type(moved[1]) is SyncBatchNorm and moved[1].running_mean.is_cuda
