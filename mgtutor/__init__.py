@@ -68,9 +68,17 @@ __all__ = [
 ]
 
 
+# Submodules that import torch when loaded, reachable as ``mgtutor.data`` and so on after a
+# plain ``import mgtutor``: loaded on first use, since every worker imports this package first.
+_LAZY_MODULES = ("bench", "data", "syncbn")
+
+
 def __getattr__(name: str) -> object:
-    # mgtutor.syncbn subclasses a torch class, so importing it imports torch. Workers import
-    # this package first thing; load syncbn only when one of its names is asked for.
+    import importlib
+
+    if name in _LAZY_MODULES:
+        return importlib.import_module(f"mgtutor.{name}")
+    # mgtutor.syncbn subclasses a torch class; load it only when one of its names is asked for.
     if name in ("SyncBatchNorm", "convert_sync_batchnorm"):
         from mgtutor import syncbn
 

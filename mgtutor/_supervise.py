@@ -29,8 +29,11 @@ _TERM_GRACE_S = 1.0
 _DRAIN_GRACE_S = 1.0
 _STACK_WAIT_S = 2.0
 _MAX_FRAMES = 16
-# Interpreter start, imports and unpickling fn: minutes on a cold, busy laptop, never hours.
-_STARTUP_LIMIT_S = 300.0
+# A rank that returned gets this long to exit before it is stopped (a non-daemon thread or a
+# DataLoader worker can keep its process alive after fn returned).
+_EXIT_GRACE_S = 5.0
+# Lines drawn with a carriage return (tqdm) are shown at most this often per rank and stream.
+_REDRAW_S = 0.5
 
 _SIGNAL_HINTS = {
     "SIGKILL": (
@@ -38,6 +41,13 @@ _SIGNAL_HINTS = {
         "rank probably ran out of memory (check `dmesg`, or lower the batch size)."
     ),
     "SIGSEGV": " A crash in native code (a C++/CUDA extension, or memory corruption).",
+    "SIGABRT": (
+        " SIGABRT usually comes from native code giving up: on GPUs, most often NCCL's watchdog "
+        "ending the process after a collective timed out or another rank failed (look for "
+        "'Watchdog caught collective operation timeout' above). Set TORCH_NCCL_DUMP_ON_TIMEOUT=1 "
+        "to have each rank dump its last collectives (torch's Flight Recorder) and read the "
+        "dumps with torchfrtrace."
+    ),
 }
 
 
@@ -54,6 +64,10 @@ class RankHandle:
     main_ident: int | None = None
     started: bool = False
     done: tuple[bytes, dict[str, Any]] | None = None
+    done_at: float | None = None
+    lingered: bool = False
+    redrawn: dict[str, str] = field(default_factory=dict)
+    redrawn_at: dict[str, float] = field(default_factory=dict)
     error: tuple[Any, ...] | None = None
     failed_at: float | None = None
     exitcode: int | None = None
@@ -67,10 +81,13 @@ class RankHandle:
 class Supervisor:
     """Watches the ranks of one launch until they all finish, or stops them all."""
 
-    def __init__(self, board: ProgressBoard, timeout: float | None) -> None:
+    def __init__(
+        self, board: ProgressBoard, timeout: float | None, start_timeout: float | None = 300.0
+    ) -> None:
         self.handles: list[RankHandle] = []
         self.board = board
         self.timeout = timeout
+        self.start_timeout = start_timeout
 
     def add(self, handle: RankHandle) -> None:
         """Watch one more started rank."""
@@ -82,26 +99,32 @@ class Supervisor:
         """Relay and watch until every rank returned; raise WorkerError on the first fault.
 
         ``timeout`` counts from the moment every rank has started fn, so a slow start (torch's
-        import on a busy machine) does not eat into it; start-up has its own generous limit.
+        import on a busy machine) does not eat into it; ``start_timeout`` limits the start.
+        Either may be None: no limit.
         """
-        startup_deadline = time.monotonic() + _STARTUP_LIMIT_S
+        now = time.monotonic()
+        start_deadline = None if self.start_timeout is None else now + self.start_timeout
         deadline: float | None = None
+        all_started = False
         try:
             while True:
                 self._pump(_POLL_S)
                 self._reap()
                 if any(h.failed_at is not None for h in self.handles):
                     self._raise_failure()
-                if all(h.done is not None and h.exitcode == 0 for h in self.handles):
+                self._stop_lingering()
+                if all(h.done is not None and h.exitcode is not None for h in self.handles):
                     self._drain(_DRAIN_GRACE_S)
                     self._stop_leftovers()
                     self.board.finish(None)
                     return self.handles
-                if deadline is None and all(h.started for h in self.handles):
-                    deadline = None if self.timeout is None else time.monotonic() + self.timeout
-                if deadline is not None and time.monotonic() > deadline:
+                now = time.monotonic()
+                if not all_started and all(h.started for h in self.handles):
+                    all_started = True
+                    deadline = None if self.timeout is None else now + self.timeout
+                if deadline is not None and now > deadline:
                     self._raise_timeout()
-                if deadline is None and time.monotonic() > startup_deadline:
+                if not all_started and start_deadline is not None and now > start_deadline:
                     self._raise_timeout(starting=True)
         except KeyboardInterrupt:
             cleanup = self._stop_all()
@@ -109,6 +132,31 @@ class Supervisor:
             print(f"Interrupted. {cleanup}", file=sys.stderr, flush=True)
             self.board.finish(-1)
             raise
+
+    def _stop_lingering(self) -> None:
+        """Stop a rank whose fn returned but whose process did not exit; keep its result."""
+        now = time.monotonic()
+        for h in self.handles:
+            if h.done is None or h.exitcode is not None or h.done_at is None:
+                continue
+            if now - h.done_at < _EXIT_GRACE_S:
+                continue
+            members = _group_members(h.process.pid)
+            self._signal_rank(h, signal.SIGKILL)
+            h.process.join(2)
+            h.exitcode = h.process.exitcode
+            h.lingered = True
+            others = len([p for p in members if p != h.process.pid])
+            extra = f" and {others} process(es) it had started" if others else ""
+            print(
+                f"mgtutor: rank {h.rank} returned, but its process was still running "
+                f"{_EXIT_GRACE_S:g} s later (a non-daemon thread, or a DataLoader or other "
+                f"child process that was not shut down); it was stopped{extra}. Its result is "
+                f"kept. End threads (daemon=True, or join them) and child processes before fn "
+                f"returns.",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _watched(self) -> dict[Any, tuple[RankHandle, str]]:
         watched: dict[Any, tuple[RankHandle, str]] = {}
@@ -156,11 +204,26 @@ class Supervisor:
         if not data:  # end of file: what is left is a last line without a newline
             lines, rest = ([*lines, rest] if rest else lines), b""
             h.open_pipes.discard(name)
-        h.partial[name] = rest
         target = sys.stdout if name == "stdout" else sys.stderr
         for line in lines:
-            text = line.decode("utf-8", "replace").rstrip("\r")
+            text = _as_drawn(line)
+            if h.redrawn.pop(name, None) == text:
+                continue  # its last drawing is already on screen
             target.write(f"[rank {h.rank}] {text}\n")
+        if b"\r" in rest:
+            # A line redrawn in place (tqdm): show what a terminal shows now, at most every
+            # _REDRAW_S, instead of holding it back until the next newline.
+            drawn = rest.rstrip(b"\r")
+            if b"\r" in drawn:
+                rest = rest[drawn.rindex(b"\r") :]  # what came before is drawn over
+            text = _as_drawn(rest)
+            now = time.monotonic()
+            due = now - h.redrawn_at.get(name, 0.0) >= _REDRAW_S
+            if text and due and text != h.redrawn.get(name):
+                target.write(f"[rank {h.rank}] {text}\n")
+                h.redrawn[name] = text
+                h.redrawn_at[name] = now
+        h.partial[name] = rest
 
     def _receive(self, h: RankHandle) -> None:
         try:
@@ -177,6 +240,7 @@ class Supervisor:
             self.board.update(h.rank, *body)
         elif kind == "done":
             h.done = (body[0], body[1])
+            h.done_at = time.monotonic()
         elif kind == "error":
             h.error = tuple(body)
             h.failed_at = body[5]
@@ -189,7 +253,7 @@ class Supervisor:
             h.exitcode = h.process.exitcode
             while h.conn_open and self._poll(h.conn):
                 self._receive(h)
-            if h.failed_at is None and (h.exitcode != 0 or h.done is None):
+            if h.failed_at is None and (h.exitcode != 0 or h.done is None) and not h.lingered:
                 h.failed_at = time.perf_counter()
 
     @staticmethod
@@ -209,7 +273,11 @@ class Supervisor:
             self._reap()
         self._reap()
         failed = [h for h in self.handles if h.failed_at is not None]
-        first = min(failed, key=lambda h: h.failed_at or 0.0)
+        # A rank killed by a signal (the out-of-memory killer, a crash) is the cause of what its
+        # peers report next ("Connection closed by peer"), even when their report arrives
+        # before the parent notices the death: blame it first.
+        killed = [h for h in failed if h.error is None and (h.exitcode or 0) < 0]
+        first = min(killed or failed, key=lambda h: h.failed_at or 0.0)
         cleanup = self._stop_all(primary=first)
         self._drain(_DRAIN_GRACE_S)
         self.board.finish(first.rank)
@@ -261,6 +329,8 @@ class Supervisor:
     def _raise_timeout(self, starting: bool = False) -> None:
         running = [h for h in self.handles if h.process.is_alive() and h.done is None]
         for h in running:
+            if h.main_ident is None:
+                continue  # no "hello" yet: its stack-dump handler may not be installed
             try:
                 os.kill(h.process.pid, signal.SIGUSR1)  # faulthandler dumps the stack
             except ProcessLookupError:
@@ -274,9 +344,11 @@ class Supervisor:
         if starting:
             waiting = ", ".join(str(h.rank) for h in self.handles if not h.started)
             summary = (
-                f"Ranks {waiting} had not started fn after {_STARTUP_LIMIT_S:g} s (starting "
-                f"Python, importing, unpickling fn and its arguments); every rank was stopped. "
-                f"The stacks below show where they were."
+                f"Ranks {waiting} had not started fn after start_timeout={self.start_timeout:g} "
+                f"s (starting Python, importing, unpickling fn and its arguments); every rank "
+                f"was stopped. The stacks below show where they were. On a slow or busy "
+                f"machine, or with torch on a network file system, pass a larger "
+                f"start_timeout (or None for no limit)."
             )
         else:
             summary = (
@@ -373,16 +445,49 @@ class Supervisor:
         return f"{stopped} No process of this launch is left running.".lstrip()
 
     def _stop_leftovers(self) -> None:
-        """After success: end processes a rank started and left behind, and say so."""
+        """After success: end processes a rank started and left behind, and say what was done.
+
+        A rank's children stay in its process group after the rank exits (they are re-parented,
+        so only the group still finds them); a child that made its own session is found as a
+        descendant while its rank lives. Each is killed, and the message names only those that
+        really were running and what became of them.
+        """
         import psutil
 
-        leftovers = self._descendants()
+        pids: set[int] = set()
         for h in self.handles:
-            self._signal_rank(h, signal.SIGKILL)
-        if leftovers:
-            psutil.wait_procs(leftovers, timeout=2)
-            pids = ", ".join(str(p.pid) for p in leftovers)
-            print(f"mgtutor: stopped processes the ranks left running: {pids}", file=sys.stderr)
+            if h.process.pid is not None:
+                pids.update(p for p in _group_members(h.process.pid) if p != h.process.pid)
+        pids.update(p.pid for p in self._descendants())
+        reported = {}
+        for h in self.handles:
+            for pid, created in h.done[1].get("children", []) if h.done else []:
+                reported[pid] = created
+        pids.update(reported)
+        procs = []
+        for pid in sorted(pids):
+            try:
+                proc = psutil.Process(pid)
+                if pid in reported and abs(proc.create_time() - reported[pid]) > 0.01:
+                    continue  # that pid was reused by an unrelated process
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                proc.kill()
+                procs.append(proc)
+            except psutil.Error:
+                pass
+        if not procs:
+            return
+        _, alive = psutil.wait_procs(procs, timeout=2)
+        stopped = [p.pid for p in procs if p not in alive]
+        message = "mgtutor: the ranks returned but left processes running"
+        if stopped:
+            message += f"; stopped them (SIGKILL): pids {', '.join(map(str, stopped))}"
+        if alive:
+            message += (
+                f"; still running despite SIGKILL: pids {', '.join(str(p.pid) for p in alive)}"
+            )
+        print(message + ".", file=sys.stderr, flush=True)
 
     def _drain(self, grace: float) -> None:
         """Relay what the ranks wrote before they ended, until their pipes close or ``grace``."""
@@ -436,6 +541,28 @@ def _format_stack(dump: bytes, main_ident: int | None) -> str:
         hidden = len(frames) - _MAX_FRAMES
         frames = [*frames[:6], f"  ... {hidden} frames omitted ...", *frames[-(_MAX_FRAMES - 6) :]]
     return "\n".join(frames)
+
+
+def _as_drawn(line: bytes) -> str:
+    """What a terminal shows for ``line``: the text after its last carriage return."""
+    segments = [part for part in line.split(b"\r") if part]
+    return segments[-1].decode("utf-8", "replace") if segments else ""
+
+
+def _group_members(pgid: int | None) -> list[int]:
+    """Pids of the live processes in process group ``pgid`` (each rank leads its own group)."""
+    if pgid is None:
+        return []
+    import psutil
+
+    members = []
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) == pgid and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                members.append(pid)
+        except (OSError, psutil.Error):
+            continue
+    return members
 
 
 def _still_running(process: Any) -> bool:

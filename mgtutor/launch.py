@@ -5,7 +5,7 @@
 1. It checks its arguments and pickles ``fn`` *by value* with cloudpickle, so a function defined
    in a cell, a closure or a lambda reaches the workers (plain ``torch.multiprocessing.spawn``
    pickles functions by name and fails on cell-defined ones).
-2. It hosts the rendezvous store itself on a free port of 127.0.0.1, like torchrun's agent, so
+2. It hosts the rendezvous store itself on a fresh port of 127.0.0.1, like torchrun's agent, so
    no fixed port can be left taken by a crashed run and nothing listens beyond this machine.
 3. It starts ``world_size`` processes with the *spawn* start method (never fork, so a notebook
    that already used CUDA can launch), each with torchrun's environment contract.
@@ -39,7 +39,9 @@ __all__ = ["launch"]
 _MAX_SOURCE_BYTES = 2_000_000
 
 
-def _check_arguments(fn: Any, world_size: Any, backend: Any, timeout: Any) -> None:
+def _check_arguments(
+    fn: Any, world_size: Any, backend: Any, timeout: Any, start_timeout: Any
+) -> None:
     if not callable(fn):
         raise TypeError(f"launch needs a function to run in every worker, got {fn!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int):
@@ -50,15 +52,20 @@ def _check_arguments(fn: Any, world_size: Any, backend: Any, timeout: Any) -> No
         raise ValueError(
             f"backend must be one of {BACKENDS} or None (choose for me), got {backend!r}"
         )
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
-    ):
-        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+        ):
+            raise ValueError(
+                f"{name} must be a positive number of seconds or None (no limit), got {value!r}"
+            )
     if backend == "nccl":
         import torch
         import torch.distributed as dist
 
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        # device_count() asks NVML and leaves CUDA uninitialized in the notebook's process
+        # (is_available() would initialize it, which breaks fork-based tools used later).
+        gpus = torch.cuda.device_count()
         if gpus < world_size or not dist.is_nccl_available():
             why = (
                 "this torch has no NCCL"
@@ -95,18 +102,66 @@ def _pickle_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
 
 
 def _cell_sources() -> dict[str, list[str]]:
-    """The text of notebook cells (they have no file), so worker tracebacks can show lines."""
+    """The text of notebook cells (they have no file), so worker tracebacks can show lines.
+
+    IPython adds each executed cell to ``linecache`` under a name of its own, oldest first.
+    The newest cells are the ones a launch most likely runs, so they are taken first, up to a
+    size limit that keeps a long session's history from slowing every launch.
+    """
     sources: dict[str, list[str]] = {}
     size = 0
-    for filename, entry in list(linecache.cache.items()):
-        if len(entry) != 4 or os.path.exists(filename):
+    for filename, entry in reversed(list(linecache.cache.items())):
+        if len(entry) != 4 or entry[1] is not None or os.path.exists(filename):
             continue
         lines = list(entry[2])
-        size += sum(map(len, lines))
-        if size > _MAX_SOURCE_BYTES:
-            break
+        cost = sum(map(len, lines))
+        if size + cost > _MAX_SOURCE_BYTES:
+            continue
+        size += cost
         sources[filename] = lines
     return sources
+
+
+def _host_store(world_size: int) -> Any:
+    """Host the rendezvous store in this process, listening on 127.0.0.1 only.
+
+    A store that rank 0 hosts (plain ``env://``) listens on every interface, and a port chosen
+    in advance may be taken by the time rank 0 binds it. Here the socket is bound to a free
+    port of the loopback address first and handed to the store, as torchrun's agent does.
+    torch's libuv store takes such a socket only in newer versions; older ones need the
+    classic store implementation for it.
+    """
+    import torch.distributed as dist
+
+    def listening_socket() -> socket.socket:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        return listener
+
+    options: dict[str, Any] = {
+        "world_size": world_size,
+        "is_master": True,
+        "wait_for_workers": False,
+        "timeout": datetime.timedelta(seconds=300),
+    }
+    listener = listening_socket()
+    port = listener.getsockname()[1]
+    fd = listener.detach()  # the store owns it from here
+    try:
+        return dist.TCPStore("127.0.0.1", port, master_listen_fd=fd, **options)
+    except (NotImplementedError, RuntimeError) as exc:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        if "listen fd" not in str(exc) and "libuv" not in str(exc):
+            raise
+    listener = listening_socket()
+    port = listener.getsockname()[1]
+    return dist.TCPStore(
+        "127.0.0.1", port, master_listen_fd=listener.detach(), use_libuv=False, **options
+    )
 
 
 def _loopback_interface() -> str | None:
@@ -152,14 +207,17 @@ def launch(
     world_size: int = 2,
     backend: str | None = None,
     timeout: float | None = None,
+    start_timeout: float | None = 300.0,
     **kwargs: Any,
 ) -> Run:
     """Run ``fn(*args, **kwargs)`` in ``world_size`` worker processes, one per rank.
 
     Each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-    MASTER_ADDR=127.0.0.1, MASTER_PORT) and should call :func:`mgtutor.setup` to join the process
-    group. Lines the workers print appear in the cell as ``[rank 1] ...``. The notebook's own
-    ``os.environ`` is left untouched.
+    MASTER_ADDR=127.0.0.1, MASTER_PORT) and joins the process
+    group with :func:`mgtutor.setup` or with a plain ``dist.init_process_group("gloo")``: the
+    notebook's process hosts the rendezvous store on a fresh port of 127.0.0.1, as torchrun's
+    agent does for its workers (``TORCHELASTIC_USE_AGENT_STORE``). Lines the workers print
+    appear in the cell as ``[rank 1] ...``. The notebook's own ``os.environ`` is left untouched.
 
     Args:
         fn: the work of one rank; may be defined in a notebook cell, a closure or a lambda.
@@ -167,19 +225,25 @@ def launch(
         world_size: number of ranks.
         backend: "gloo" or "nccl" for every rank's :func:`mgtutor.setup`; None lets setup pick
             (NCCL with one GPU per rank, else gloo).
-        timeout: seconds fn may run, counted from the moment every rank has started it (the
-            workers' start-up, mostly importing torch, is not counted; it has its own limit of
-            5 minutes). Past it every rank is stopped and :class:`mgtutor.WorkerTimeout` shows
-            where each running rank was stuck.
-        **kwargs: keyword arguments for fn. (Names world_size, backend and timeout are taken
-            by launch itself; pass such arguments with functools.partial.)
+        timeout: seconds fn may run, counted from the moment every rank has started it; None
+            (the default) means no limit. Past it every rank is stopped and
+            :class:`mgtutor.WorkerTimeout` shows where each running rank was stuck.
+        start_timeout: seconds the ranks may take to start (Python's start, imports,
+            unpickling fn and its arguments) before fn runs; None means no limit. The default
+            of 5 minutes is generous for a laptop; a cluster node importing torch from a
+            network file system may need more.
+        **kwargs: keyword arguments for fn. (Names world_size, backend, timeout and
+            start_timeout are taken by launch itself; pass such arguments with
+            functools.partial.)
 
     Returns:
-        A :class:`mgtutor.Run`; ``run.results[r]`` is what rank r returned.
+        A :class:`mgtutor.Run`; ``run.results[r]`` is what rank r returned. Tensors on a GPU
+        come back on the CPU (moved in the rank before sending), so the notebook's own process
+        never initializes CUDA to read them.
 
     Raises:
         WorkerError: a rank raised, exited early or was killed; the other ranks were stopped.
-        WorkerTimeout: ``timeout`` passed; every rank was stopped.
+        WorkerTimeout: ``timeout`` or ``start_timeout`` passed; every rank was stopped.
         pickle.PicklingError: fn or an argument cannot be sent to a worker (nothing started).
         ValueError, TypeError: bad arguments (nothing started).
 
@@ -197,46 +261,17 @@ def launch(
             "mgtutor.launch() was called while a worker process was starting up. Put the code "
             'that launches under `if __name__ == "__main__":` in your script.'
         )
-    _check_arguments(fn, world_size, backend, timeout)
+    _check_arguments(fn, world_size, backend, timeout, start_timeout)
     payload = _pickle_payload(fn, args, kwargs)
     sources = _cell_sources()
 
-    import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(128)
-    port = listener.getsockname()[1]
-    store = dist.TCPStore(
-        "127.0.0.1",
-        port,
-        world_size,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=datetime.timedelta(seconds=300),
-        master_listen_fd=listener.detach(),
-    )
-    loopback = _loopback_interface()
-    common = {
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(world_size),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        # Like torchrun's agent, the parent hosts the store: ranks connect to it as clients.
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-    }
-    if backend:
-        common["MGTUTOR_BACKEND"] = backend
-    if loopback:
-        # One machine: keep gloo's and NCCL's own sockets on loopback too.
-        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if name not in os.environ:
-                common[name] = loopback
-
+    store = _host_store(world_size)
+    common = _worker_environment(world_size, backend, store.port)
     ctx = mp.get_context("spawn")
     board = ProgressBoard(world_size)
-    supervisor = Supervisor(board, timeout)
+    supervisor = Supervisor(board, timeout, start_timeout)
     started = time.perf_counter()
     try:
         with _main_not_reimported():
@@ -250,8 +285,47 @@ def launch(
     return _build_run(outcome, world_size, started, finished)
 
 
+# Variables a launcher of the notebook's own process may have left in os.environ that would
+# send this launch's ranks to the wrong rendezvous (torchrun's agent store, a SLURM job's).
+_INHERITED_RENDEZVOUS = (
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+)
+
+
+def _worker_environment(world_size: int, backend: str | None, port: int) -> dict[str, str | None]:
+    """The variables every rank of one launch gets; None removes a variable in the rank."""
+    common: dict[str, str | None] = dict.fromkeys(_INHERITED_RENDEZVOUS)
+    common.update(
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        # What torchrun's agent tells its workers: the store at MASTER_ADDR:MASTER_PORT is
+        # hosted for you, join it as a client (env:// reads this; so does a plain
+        # init_process_group). torch 2.4 also reads the restart count on that path.
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_RESTART_COUNT="0",
+        MGTUTOR_BACKEND=backend,
+    )
+    loopback = _loopback_interface()
+    if loopback:
+        # One machine: keep gloo's and NCCL's own sockets on loopback too.
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if name not in os.environ:
+                common[name] = loopback
+    return common
+
+
 def _start_rank(
-    ctx: Any, rank: int, common: dict[str, str], payload: bytes, sources: dict[str, list[str]]
+    ctx: Any,
+    rank: int,
+    common: dict[str, str | None],
+    payload: bytes,
+    sources: dict[str, list[str]],
 ) -> RankHandle:
     parent_conn, child_conn = ctx.Pipe(duplex=True)
     pipes = {name: ctx.Pipe(duplex=False) for name in ("stdout", "stderr", "diag")}

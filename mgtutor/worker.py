@@ -16,6 +16,7 @@ from __future__ import annotations
 import faulthandler
 import linecache
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -232,9 +233,11 @@ def setup(
         rank_device = torch.device("cpu")
     else:
         raise ValueError(f"device must be 'cpu', 'cuda' or None, got {device!r}")
-    if rank_device.type == "cpu":
-        # Each rank is a process; without this every rank starts one thread per core and
-        # they fight over the cores, which makes two ranks slower than one.
+    if "OMP_NUM_THREADS" not in os.environ:
+        # Each rank is a process; without this every rank starts one thread per core for its
+        # CPU work (a GPU rank has some too: data preparation, the optimizer on CPU tensors),
+        # and they fight over the cores, which makes two ranks slower than one. torchrun
+        # sets OMP_NUM_THREADS=1 for the same reason; a value the user set is kept.
         torch.set_num_threads(max(1, _usable_cores() // contract.local_world_size))
     if contract.source == "slurm":
         os.environ.update(
@@ -246,6 +249,10 @@ def setup(
     options: dict[str, Any] = {}
     if timeout_s is not None:
         options["timeout"] = timedelta(seconds=timeout_s)
+    if chosen == "nccl" and _accepts_device_id(dist.init_process_group):
+        # Binds the group to this rank's GPU up front (torch >= 2.3): NCCL's communicator is
+        # created eagerly for that device instead of guessed at the first collective.
+        options["device_id"] = rank_device
     dist.init_process_group(
         chosen,
         init_method="env://",
@@ -255,6 +262,15 @@ def setup(
     )
     _state.update(device=rank_device, backend=chosen)
     return rank_device
+
+
+def _accepts_device_id(init: Any) -> bool:
+    import inspect
+
+    try:
+        return "device_id" in inspect.signature(init).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def teardown() -> None:
@@ -285,7 +301,7 @@ def current_backend() -> str | None:
 class WorkerSpec:
     """What the parent hands one worker process (pickled by multiprocessing's spawn)."""
 
-    env: dict[str, str]
+    env: dict[str, str | None]  # None: remove the variable in the rank
     payload: bytes
     conn: Connection
     stdout: Connection
@@ -345,6 +361,43 @@ def _report_failure(exc: BaseException, context: str) -> None:
     os._exit(1)
 
 
+def _children() -> list[tuple[int, float]]:
+    """This rank's live descendants (pid, start time), so the parent can end what fn left.
+
+    Taken while the rank still lives: once it exits, a child that made its own session can no
+    longer be found from the parent.
+    """
+    try:
+        import psutil
+
+        return [(p.pid, p.create_time()) for p in psutil.Process().children(recursive=True)]
+    except Exception:
+        return []
+
+
+def _dumps_on_cpu(result: Any) -> bytes:
+    """Pickle fn's result with every tensor moved to the CPU.
+
+    A CUDA tensor pickled as it is would be rebuilt on ``cuda:r`` in the notebook, which
+    initializes CUDA in the kernel (or fails on a machine without that GPU).
+    """
+    import io
+
+    import cloudpickle
+
+    torch = sys.modules.get("torch")
+
+    class _CpuPickler(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+                return obj.detach().cpu().__reduce_ex__(self.proto)
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    _CpuPickler(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(result)
+    return buffer.getvalue()
+
+
 def _worker_entry(rank: int, spec: WorkerSpec) -> None:
     """Run one rank: wire up output and the parent channel, call fn, send back its result."""
     os.setpgrp()  # one process group per rank, so cleanup reaches the rank's own children
@@ -352,7 +405,11 @@ def _worker_entry(rank: int, spec: WorkerSpec) -> None:
     _redirect_output(spec.stdout, spec.stderr)
     faulthandler.register(signal.SIGUSR1, file=spec.diag.fileno(), all_threads=True)
     _keep_alive.append(spec.diag)
-    os.environ.update(spec.env)
+    for name, value in spec.env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     _channel.attach(spec.conn)
     threading.Thread(target=_watch_parent, args=(spec.conn,), daemon=True).start()
     _channel.send("hello", os.getpid(), threading.main_thread().ident)
@@ -391,11 +448,10 @@ def _worker_entry(rank: int, spec: WorkerSpec) -> None:
             "finished": finished,
             "memory": memory.measure(current_device(), rss_start, peak_was_reset),
             "timings": timing.collect_records(),
+            "children": _children(),
         }
         teardown()
-        import cloudpickle
-
-        blob = cloudpickle.dumps(result)
+        blob = _dumps_on_cpu(result)
     except BaseException as exc:
         _report_failure(exc, "finished, but its result could not be sent back")
     _channel.send("done", blob, record)

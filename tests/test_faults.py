@@ -64,19 +64,31 @@ def test_hang_past_timeout_names_ranks_and_shows_stacks() -> None:
     assert "ranks still running: 0, 1" in str(error)
 
 
-def test_timeout_does_not_count_start_up_but_start_up_has_a_limit(monkeypatch) -> None:
-    class SlowToUnpickle:
-        # Unpickling this in the worker sleeps first, like a slow import on a busy machine.
-        def __reduce__(self):
-            return (time.sleep, (4,))
+class SlowToUnpickle:
+    """Unpickling this in the worker sleeps first, like a slow import on a busy machine."""
 
-    run = mgtutor.launch(lambda arg: "ran", SlowToUnpickle(), world_size=2, timeout=2)
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def __reduce__(self):
+        return (time.sleep, (self.seconds,))
+
+
+def test_timeout_does_not_count_start_up_and_start_timeout_limits_it() -> None:
+    run = mgtutor.launch(lambda arg: "ran", SlowToUnpickle(4), world_size=2, timeout=2)
     assert run.results == ["ran", "ran"]
 
-    monkeypatch.setattr(supervise, "_STARTUP_LIMIT_S", 2.0)
-    with pytest.raises(mgtutor.WorkerTimeout, match="had not started fn after 2 s") as info:
-        mgtutor.launch(lambda arg: "ran", SlowToUnpickle(), world_size=2)
+    with pytest.raises(mgtutor.WorkerTimeout, match="after start_timeout=2 s") as info:
+        mgtutor.launch(lambda arg: "ran", SlowToUnpickle(30), world_size=2, start_timeout=2)
     assert "cloudpickle.loads(spec.payload)" in info.value.stacks[0]
+    assert "pass a larger start_timeout" in str(info.value)
+
+
+def test_no_timeout_means_no_limit_once_started() -> None:
+    # fn runs well past start_timeout: that limit is for the start only, and timeout=None
+    # (the default) sets none on fn.
+    run = mgtutor.launch(lambda: time.sleep(5) or "done", world_size=2, start_timeout=3)
+    assert run.results == ["done", "done"]
 
 
 def test_rank_killed_by_a_signal_is_named() -> None:
@@ -103,7 +115,34 @@ def test_exit_code_and_unsendable_result_and_clean_exit() -> None:
     assert mgtutor.launch(lambda: exit(0), world_size=1).results == [None]
 
 
-def test_interrupt_stops_every_worker_before_it_reaches_the_caller(capsys) -> None:
+@pytest.fixture
+def ctrl_c_raises():
+    # A run started in the background (nohup, `&`) inherits SIGINT ignored; these tests need
+    # Ctrl+C to raise KeyboardInterrupt, as it does in a notebook.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def interrupt_after(seconds: float) -> None:
+    def fire() -> None:
+        time.sleep(seconds)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=fire, daemon=True).start()
+
+
+def test_interrupt_during_start_up_stops_every_worker(ctrl_c_raises, capsys) -> None:
+    interrupt_after(1.0)
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        mgtutor.launch(lambda arg: None, SlowToUnpickle(60), world_size=2)
+    assert time.monotonic() - started < 15
+    assert worker_children() == []
+    assert "Interrupted." in capsys.readouterr().err
+
+
+def test_interrupt_stops_every_worker_before_it_reaches_the_caller(ctrl_c_raises, capsys) -> None:
     started = []
 
     def work() -> None:
@@ -126,6 +165,93 @@ def test_interrupt_stops_every_worker_before_it_reaches_the_caller(capsys) -> No
     assert "Interrupted. Cleanup: stopped rank 0" in capsys.readouterr().err
 
 
+def test_peer_killed_while_the_others_wait_in_a_collective_is_blamed() -> None:
+    def work() -> None:
+        import torch
+        import torch.distributed as dist
+
+        mgtutor.setup()
+        dist.barrier()
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # what the out-of-memory killer does
+        dist.all_reduce(torch.ones(1))  # rank 0 waits here, then sees a closed connection
+
+    with pytest.raises(mgtutor.WorkerError) as info:
+        mgtutor.launch(work, world_size=2, timeout=60)
+    assert info.value.rank == 1 and info.value.signal_name == "SIGKILL", str(info.value)
+    assert str(info.value).startswith("rank 1 was killed by signal SIGKILL")
+
+
+def test_rank_that_returns_but_does_not_exit_is_stopped_and_its_result_kept(
+    monkeypatch, capfd
+) -> None:
+    monkeypatch.setattr(supervise, "_EXIT_GRACE_S", 1.0)
+
+    def work() -> int:
+        import subprocess
+
+        threading.Thread(target=time.sleep, args=(600,)).start()  # not a daemon
+        subprocess.Popen(["sleep", "600"])  # a child left running, in the rank's group
+        subprocess.Popen(["sleep", "601"], start_new_session=True)  # one that left the group
+        return int(os.environ["RANK"]) + 40
+
+    started = time.monotonic()
+    assert mgtutor.launch(work, world_size=2).results == [40, 41]
+    assert time.monotonic() - started < 30
+    err = capfd.readouterr().err
+    for rank in (0, 1):
+        # Its process group goes with it: the thread and the sleep in its group.
+        assert f"rank {rank} returned, but its process was still running 1 s later" in err
+        assert "it was stopped and 1 process(es) it had started" in err
+    # The rank named the child that left its group before it ended; that one is found too.
+    stopped = err.split("left processes running; stopped them (SIGKILL): pids ")[1]
+    assert len(stopped.split(".")[0].split(", ")) == 2, err
+    assert "still running despite" not in err
+    assert not [p for p in worker_children() if "sleep" in " ".join(p.cmdline())]
+
+
+def test_exceptions_that_cannot_come_back_still_bring_their_text() -> None:
+    namespace = {"__name__": "__main__"}
+    source = (
+        "class BadShape(Exception):\n"
+        "    def __init__(self, rank, shape):\n"
+        "        super().__init__(f'rank {rank} has shape {shape}')\n"
+        "def work():\n"
+        "    raise BadShape(1, (2, 3))\n"
+        "def locked():\n"
+        "    import threading\n"
+        "    error = RuntimeError('holds a lock')\n"
+        "    error.lock = threading.Lock()\n"
+        "    raise error\n"
+    )
+    import linecache
+
+    filename = "/tmp/ipykernel_0/cell_exc.py"  # as IPython caches a cell: text, no file
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+    with pytest.raises(mgtutor.WorkerError) as info:
+        mgtutor.launch(namespace["work"], world_size=1)
+    assert info.value.exc_type == "__main__.BadShape"
+    assert info.value.exc_message == "rank 1 has shape (2, 3)"
+    assert "raise BadShape(1, (2, 3))" in info.value.worker_traceback
+    assert info.value.original is None  # rebuilding it calls __init__ with the wrong arguments
+    with pytest.raises(mgtutor.WorkerError) as info:
+        mgtutor.launch(namespace["locked"], world_size=1)
+    assert info.value.exc_type == "RuntimeError" and info.value.exc_message == "holds a lock"
+    assert "raise error" in info.value.worker_traceback
+
+
+def test_a_stack_dump_signal_never_kills_a_rank() -> None:
+    # The dump handler is installed before fn runs (and before the rank says hello, the
+    # parent's cue that it may ask for stacks), so SIGUSR1 only writes a stack.
+    def work() -> str:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.2)
+        return "alive"
+
+    assert mgtutor.launch(work, world_size=2).results == ["alive", "alive"]
+
+
 def test_unpicklable_function_or_argument_fails_before_any_process_starts() -> None:
     lock = threading.Lock()
     with pytest.raises(pickle.PicklingError, match=r"argument 0 \(lock\).*_thread.lock"):
@@ -146,6 +272,8 @@ def test_unpicklable_function_or_argument_fails_before_any_process_starts() -> N
         ({"backend": "mpi"}, ValueError, "backend must be one of"),
         ({"timeout": 0}, ValueError, "positive number of seconds"),
         ({"timeout": "10"}, ValueError, "positive number of seconds"),
+        ({"start_timeout": -1}, ValueError, "start_timeout must be a positive"),
+        ({"timeout": float("nan")}, ValueError, "positive number of seconds"),
     ],
 )
 def test_bad_arguments_are_refused_before_any_process_starts(kwargs, error, match) -> None:

@@ -163,6 +163,83 @@ def test_output_arrives_while_the_worker_runs(monkeypatch) -> None:
     assert times["late"] - times["early"] > 1.0, "lines must be relayed live, not at the end"
 
 
+def test_lines_redrawn_with_carriage_returns_show_while_they_are_drawn(monkeypatch) -> None:
+    stamps: list[tuple[float, str]] = []
+
+    class Recorder:
+        def write(self, text: str) -> None:
+            stamps.append((time.perf_counter(), text))
+
+        def flush(self) -> None:
+            pass
+
+    def bar() -> None:  # what tqdm does: redraw one line, a newline only at the end
+        import sys
+
+        for i in range(1, 21):
+            sys.stdout.write(f"\rstep {i:2d}/20")
+            sys.stdout.flush()
+            time.sleep(0.1)
+        sys.stdout.write("\n")
+
+    monkeypatch.setattr(sys, "stdout", Recorder())
+    mgtutor.launch(bar, world_size=1)
+    monkeypatch.undo()
+    shown = [(t, text) for t, text in stamps if "step" in text]
+    assert shown[-1][1] == "[rank 0] step 20/20\n"
+    assert all("\r" not in text for _, text in shown)
+    assert shown[-1][0] - shown[0][0] > 1.0, "the bar must show while it is drawn"
+    assert 3 <= len(shown) <= 10, shown  # redrawn about twice a second, not 20 times
+    assert len({text for _, text in shown}) == len(shown), "no drawing is repeated"
+
+
+def test_many_lines_and_large_results_arrive_whole(capfd) -> None:
+    def chatty() -> object:
+        import torch
+
+        rank = int(os.environ["RANK"])
+        for i in range(30_000):
+            print(f"r{rank} {i}")
+        return torch.full((16 * 2**20,), float(rank))  # 64 MiB of float32
+
+    run = mgtutor.launch(chatty, world_size=2)
+    out = capfd.readouterr().out.splitlines()
+    for rank in (0, 1):
+        mine = [line for line in out if line.startswith(f"[rank {rank}] r{rank} ")]
+        assert [int(line.split()[-1]) for line in mine] == list(range(30_000))
+    for rank, result in enumerate(run.results):
+        assert result.numel() * result.element_size() == 64 * 2**20
+        assert bool((result == rank).all())
+
+
+def test_tracebacks_show_the_newest_cells_first(monkeypatch) -> None:
+    import importlib
+    import linecache
+
+    launch_module = importlib.import_module("mgtutor.launch")  # the module, not the function
+
+    monkeypatch.setattr(launch_module, "_MAX_SOURCE_BYTES", 10_000)
+    monkeypatch.setattr(linecache, "cache", dict(linecache.cache))
+    for i in range(20):  # an old session's cells, more than the limit holds
+        linecache.cache[f"<old cell {i}>"] = (1000, None, ["x" * 999 + "\n"], f"<old cell {i}>")
+    linecache.cache["<newest cell>"] = (9, None, ["y = 1\n"], "<newest cell>")
+    sources = launch_module._cell_sources()
+    assert "<newest cell>" in sources
+    assert "<old cell 19>" in sources and "<old cell 0>" not in sources
+    assert sum(len(line) for lines in sources.values() for line in lines) <= 10_000
+
+
+def test_submodules_are_attributes_after_a_plain_import() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", "import mgtutor; print(mgtutor.data.SyntheticImages.__name__)"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "SyntheticImages"
+
+
 def test_progress_falls_back_to_text_outside_a_notebook(capsys) -> None:
     def work() -> None:
         for i in range(1, 11):
@@ -243,7 +320,7 @@ def test_rendezvous_listens_on_loopback_only() -> None:
         return found
 
     addresses = mgtutor.launch(listening, world_size=2).results[0]
-    assert addresses, "the parent's rendezvous store should be listening"
+    assert addresses, "rank 0's rendezvous store should be listening"
     assert set(addresses) <= {"127.0.0.1", "::1"}
 
 
@@ -277,3 +354,18 @@ def test_progress_board_draws_one_widget_bar_per_rank() -> None:
     assert [b.description for b in bars] == ["rank 0", "rank 1"]
     board.finish(failed_rank=1)
     assert [b.bar_style for b in bars] == ["warning", "danger"]
+
+
+def test_plain_init_process_group_joins_like_a_torchrun_worker() -> None:
+    # What PyTorch's own tutorials write inside a worker, without mgtutor.setup().
+    def work() -> float:
+        import torch
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+        t = torch.ones(1) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        return t.item()
+
+    assert mgtutor.launch(work, world_size=2).results == [3.0, 3.0]
