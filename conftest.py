@@ -18,3 +18,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.suffix == ".py" and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(UNIT_TEST_TIMEOUT_S))
+
+
+@pytest.fixture(params=["forkserver", "spawn"])
+def start_method(request, monkeypatch) -> str:
+    """Run a launcher test once per start method: mgtutor.launch's default is set to each."""
+    import importlib
+
+    launch_module = importlib.import_module("mgtutor.launch")
+    monkeypatch.setattr(launch_module, "DEFAULT_START_METHOD", request.param)
+    return request.param

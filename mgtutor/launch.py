@@ -122,6 +122,9 @@ def _cell_sources() -> dict[str, list[str]]:
     return sources
 
 
+_classic_store_needed = False
+
+
 def _host_store(world_size: int) -> Any:
     """Host the rendezvous store in this process, listening on 127.0.0.1 only.
 
@@ -131,6 +134,7 @@ def _host_store(world_size: int) -> Any:
     torch's libuv store takes such a socket only in newer versions; older ones need the
     classic store implementation for it.
     """
+    global _classic_store_needed
     import torch.distributed as dist
 
     def listening_socket() -> socket.socket:
@@ -145,6 +149,12 @@ def _host_store(world_size: int) -> Any:
         "wait_for_workers": False,
         "timeout": datetime.timedelta(seconds=300),
     }
+    if _classic_store_needed:
+        listener = listening_socket()
+        port = listener.getsockname()[1]
+        return dist.TCPStore(
+            "127.0.0.1", port, master_listen_fd=listener.detach(), use_libuv=False, **options
+        )
     listener = listening_socket()
     port = listener.getsockname()[1]
     fd = listener.detach()  # the store owns it from here
@@ -157,6 +167,7 @@ def _host_store(world_size: int) -> Any:
             pass
         if "listen fd" not in str(exc) and "libuv" not in str(exc):
             raise
+    _classic_store_needed = True  # ask once per session (the refusal also prints a log line)
     listener = listening_socket()
     port = listener.getsockname()[1]
     return dist.TCPStore(
@@ -208,6 +219,7 @@ def launch(
     backend: str | None = None,
     timeout: float | None = None,
     start_timeout: float | None = 300.0,
+    start_method: str | None = None,
     **kwargs: Any,
 ) -> Run:
     """Run ``fn(*args, **kwargs)`` in ``world_size`` worker processes, one per rank.
@@ -232,9 +244,15 @@ def launch(
             unpickling fn and its arguments) before fn runs; None means no limit. The default
             of 5 minutes is generous for a laptop; a cluster node importing torch from a
             network file system may need more.
-        **kwargs: keyword arguments for fn. (Names world_size, backend, timeout and
-            start_timeout are taken by launch itself; pass such arguments with
-            functools.partial.)
+        start_method: how the rank processes start. "forkserver" (the default): a server
+            process that has imported torch once, and never touched CUDA, forks each rank;
+            after the first launch in a session a rank starts in a fraction of a second.
+            "spawn": every rank is a fresh interpreter that imports torch itself (about a
+            second or more per launch). Both are safe after CUDA was used in the notebook;
+            plain "fork" is not, and is refused.
+        **kwargs: keyword arguments for fn. (Names world_size, backend, timeout,
+            start_timeout and start_method are taken by launch itself; pass such arguments
+            with functools.partial.)
 
     Returns:
         A :class:`mgtutor.Run`; ``run.results[r]`` is what rank r returned. Tensors on a GPU
@@ -262,6 +280,13 @@ def launch(
             'that launches under `if __name__ == "__main__":` in your script.'
         )
     _check_arguments(fn, world_size, backend, timeout, start_timeout)
+    method = start_method or DEFAULT_START_METHOD
+    if method not in START_METHODS:
+        raise ValueError(
+            f"start_method must be one of {START_METHODS} (or None for "
+            f"{DEFAULT_START_METHOD!r}), got {start_method!r}. 'fork' is not offered: a forked "
+            f"rank inherits the notebook's CUDA state and fails once CUDA was used there."
+        )
     payload = _pickle_payload(fn, args, kwargs)
     sources = _cell_sources()
 
@@ -269,7 +294,12 @@ def launch(
 
     store = _host_store(world_size)
     common = _worker_environment(world_size, backend, store.port)
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # Takes effect when the server starts (the first forkserver launch in this process, or
+        # the first after the server died): it imports these once; every rank is forked from
+        # it. __main__ is left out on purpose: a notebook has no file, a script must not re-run.
+        ctx.set_forkserver_preload(list(_FORKSERVER_PRELOAD))
     board = ProgressBoard(world_size)
     supervisor = Supervisor(board, timeout, start_timeout)
     started = time.perf_counter()
@@ -283,6 +313,19 @@ def launch(
         del store
     finished = time.perf_counter()
     return _build_run(outcome, world_size, started, finished)
+
+
+START_METHODS = ("forkserver", "spawn")
+DEFAULT_START_METHOD = "forkserver"
+_FORKSERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "cloudpickle",
+    "psutil",
+    "mgtutor.worker",
+    "mgtutor.memory",
+    "mgtutor.timing",
+)
 
 
 # Variables a launcher of the notebook's own process may have left in os.environ that would
@@ -337,6 +380,10 @@ def _start_rank(
         stderr=pipes["stderr"][1],
         diag=pipes["diag"][1],
         sources=sources,
+        environ=dict(os.environ),
+        cwd=os.getcwd(),
+        sys_path=list(sys.path),
+        start_method=ctx.get_start_method(),
     )
     process = ctx.Process(
         target=_worker_entry, args=(rank, spec), name=f"mgtutor-rank-{rank}", daemon=False

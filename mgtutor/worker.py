@@ -13,6 +13,7 @@ so torch is imported only inside the functions that need it.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import linecache
 import os
@@ -308,6 +309,12 @@ class WorkerSpec:
     stderr: Connection
     diag: Connection
     sources: dict[str, list[str]]
+    # The notebook's os.environ, working directory and sys.path at launch: a forkserver rank
+    # would otherwise have the server's, from when the server started.
+    environ: dict[str, str] | None = None
+    cwd: str | None = None
+    sys_path: list[str] | None = None
+    start_method: str = "spawn"
 
 
 _keep_alive: list[Any] = []
@@ -398,6 +405,31 @@ def _dumps_on_cpu(result: Any) -> bytes:
     return buffer.getvalue()
 
 
+def _apply_launch_context(spec: WorkerSpec) -> None:
+    """Give this rank the notebook's environment, folder and import path, then the rank's own."""
+    if spec.environ is not None:
+        os.environ.clear()
+        os.environ.update(spec.environ)
+    for name, value in spec.env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    if spec.cwd is not None:
+        try:
+            os.chdir(spec.cwd)
+        except OSError:
+            pass  # the notebook's folder was removed; stay where the server is
+    if spec.sys_path is not None:
+        sys.path[:] = spec.sys_path
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        # torch read OMP_NUM_THREADS when the forkserver imported it, maybe before the
+        # notebook set it: apply the notebook's value now.
+        torch.set_num_threads(int(threads))
+
+
 def _worker_entry(rank: int, spec: WorkerSpec) -> None:
     """Run one rank: wire up output and the parent channel, call fn, send back its result."""
     os.setpgrp()  # one process group per rank, so cleanup reaches the rank's own children
@@ -405,11 +437,7 @@ def _worker_entry(rank: int, spec: WorkerSpec) -> None:
     _redirect_output(spec.stdout, spec.stderr)
     faulthandler.register(signal.SIGUSR1, file=spec.diag.fileno(), all_threads=True)
     _keep_alive.append(spec.diag)
-    for name, value in spec.env.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
+    _apply_launch_context(spec)
     _channel.attach(spec.conn)
     threading.Thread(target=_watch_parent, args=(spec.conn,), daemon=True).start()
     _channel.send("hello", os.getpid(), threading.main_thread().ident)
@@ -456,3 +484,10 @@ def _worker_entry(rank: int, spec: WorkerSpec) -> None:
         _report_failure(exc, "finished, but its result could not be sent back")
     _channel.send("done", blob, record)
     _flush()
+    if spec.start_method == "forkserver":
+        # A forkserver child ends with os._exit, which skips atexit handlers; a spawned one
+        # runs them. Run them here so fn's atexit code behaves the same with both.
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            _flush()

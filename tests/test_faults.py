@@ -14,6 +14,9 @@ import mgtutor
 from mgtutor import _supervise as supervise
 from tests.helpers import open_fds, worker_children
 
+# Every launcher promise holds on both start methods: each test runs once per method.
+pytestmark = pytest.mark.usefixtures("start_method")
+
 
 @pytest.fixture(autouse=True)
 def no_process_left():

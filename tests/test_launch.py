@@ -16,6 +16,9 @@ import torch
 import mgtutor
 from tests.helpers import worker_children
 
+# Every launcher promise holds on both start methods: each test runs once per method.
+pytestmark = pytest.mark.usefixtures("start_method")
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -255,8 +258,9 @@ def test_progress_falls_back_to_text_outside_a_notebook(capsys) -> None:
 
 
 def test_progress_outside_any_launch_prints_text(capsys) -> None:
-    mgtutor.progress(5, 10)
-    assert "5/10 (50%)" in capsys.readouterr().out
+    desc = f"alone-{time.monotonic_ns()}"  # progress limits its rate per description
+    mgtutor.progress(5, 10, desc=desc)
+    assert f"{desc}: 5/10 (50%)" in capsys.readouterr().out
     with pytest.raises(ValueError, match="total must be positive"):
         mgtutor.progress(1, 0)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 from typing import Any
 from unittest import mock
 
@@ -27,6 +28,9 @@ SPLITS = [(3, 5), (4, 4), (0, 8)]
 STEPS = 2  # two training steps, so the running statistics are updated twice
 TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
 REFERENCE = {2: nn.BatchNorm1d, 3: nn.BatchNorm1d, 4: nn.BatchNorm2d, 5: nn.BatchNorm3d}
+# torch's BatchNorm layers take `bias=` from torch 2.12 on; older ones (the floor in
+# requirements.txt) have no such argument. mgtutor's SyncBatchNorm takes it on every version.
+TORCH_BATCHNORM_TAKES_BIAS = "bias" in inspect.signature(nn.BatchNorm1d).parameters
 
 
 def _make_case(shape: tuple[int, ...], seed: int, **options: Any) -> dict[str, Any]:
@@ -271,13 +275,26 @@ def test_without_a_process_group_it_is_exactly_batchnorm() -> None:
 
 
 def test_constructor_matches_torch_syncbatchnorm() -> None:
-    for options in ({}, {"momentum": None, "eps": 1e-3}, {"affine": False}, {"bias": False}):
+    for options in ({}, {"momentum": None, "eps": 1e-3}, {"affine": False}):
         ours = SyncBatchNorm(4, **options)
         theirs = nn.SyncBatchNorm(4, **options)
         assert ours.extra_repr() == theirs.extra_repr()
         assert ours.state_dict().keys() == theirs.state_dict().keys()
+    without_bias = SyncBatchNorm(4, bias=False)
+    assert without_bias.bias is None and "weight" in without_bias.state_dict()
+    assert "bias" not in without_bias.state_dict()
     with pytest.raises(ValueError, match=r"shape \(N, C, \*\).*got shape \(4,\)"):
         SyncBatchNorm(4)(torch.zeros(4))
+
+
+@pytest.mark.skipif(
+    not TORCH_BATCHNORM_TAKES_BIAS,
+    reason=f"torch's SyncBatchNorm takes bias= from torch 2.12; this is torch {torch.__version__}",
+)
+def test_constructor_without_bias_matches_torch_syncbatchnorm() -> None:
+    ours, theirs = SyncBatchNorm(4, bias=False), nn.SyncBatchNorm(4, bias=False)
+    assert ours.extra_repr() == theirs.extra_repr()
+    assert ours.state_dict().keys() == theirs.state_dict().keys()
 
 
 def _model_with_batchnorms() -> nn.Module:
@@ -323,7 +340,8 @@ def test_convert_sync_batchnorm_replaces_batchnorm_layers_and_keeps_their_state(
     for name, value in before.items():
         assert torch.equal(after[name], value), name
 
-    bare = nn.BatchNorm1d(3, bias=False, track_running_stats=False)
+    bare = nn.BatchNorm1d(3, track_running_stats=False)
+    bare.bias = None  # what bias=False does; torch before 2.12 has no such argument
     new = convert_sync_batchnorm(bare)
     assert type(new) is SyncBatchNorm and new.bias is None and new.running_mean is None
     # A CPU model that torch's own conversion already went through gets layers that work here.
