@@ -373,3 +373,34 @@ def test_plain_init_process_group_joins_like_a_torchrun_worker() -> None:
         return t.item()
 
     assert mgtutor.launch(work, world_size=2).results == [3.0, 3.0]
+
+
+def test_ranks_see_the_notebooks_current_environment_folder_and_path(tmp_path, monkeypatch) -> None:
+    # A forkserver was started earlier, with the environment of that moment; what a cell
+    # changes afterwards must reach the ranks exactly as with spawn.
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()  # the next forkserver launch starts a new server ...
+    monkeypatch.setenv("MGTUTOR_TEST_REMOVED", "set when the server started")
+    mgtutor.launch(lambda: None, world_size=1)  # ... with this variable in its environment
+    monkeypatch.setenv("MGTUTOR_TEST_SETTING", "from the cell")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.delenv("MGTUTOR_TEST_REMOVED")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "extra"))
+
+    def look() -> tuple:
+        import sys
+
+        import torch
+
+        return (
+            os.environ.get("MGTUTOR_TEST_SETTING"),
+            "MGTUTOR_TEST_REMOVED" in os.environ,
+            os.getcwd(),
+            sys.path[0],
+            torch.get_num_threads(),
+        )
+
+    expected = ("from the cell", False, str(tmp_path), str(tmp_path / "extra"), 1)
+    assert mgtutor.launch(look, world_size=2).results == [expected, expected]
