@@ -10,6 +10,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -404,3 +405,27 @@ def test_ranks_see_the_notebooks_current_environment_folder_and_path(tmp_path, m
 
     expected = ("from the cell", False, str(tmp_path), str(tmp_path / "extra"), 1)
     assert mgtutor.launch(look, world_size=2).results == [expected, expected]
+
+
+def test_no_forkserver_outlives_the_process_that_launched() -> None:
+    script = textwrap.dedent(
+        """
+        import psutil
+        import mgtutor
+
+        mgtutor.launch(lambda: None, world_size=1, start_method="forkserver")
+        servers = [p.pid for p in psutil.Process().children()
+                   if "forkserver import main" in " ".join(p.cmdline())]
+        print(*servers)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    servers = [int(pid) for pid in done.stdout.split()]
+    assert len(servers) == 1, done.stdout
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and psutil.pid_exists(servers[0]):
+        time.sleep(0.1)
+    assert not psutil.pid_exists(servers[0]), "the forkserver outlived the process that made it"
