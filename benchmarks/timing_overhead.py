@@ -66,6 +66,7 @@ from torch import nn  # noqa: E402
 
 import mgtutor  # noqa: E402
 from mgtutor.data import SyntheticImages  # noqa: E402
+from mgtutor.models import small_cnn  # noqa: E402
 
 TARGET_PCT = 2.0
 PHASES_PER_STEP = 5  # "step" + data, forward, backward, optimizer
@@ -88,16 +89,7 @@ class Trainer:
         torch.manual_seed(seed)
         self.batch_size = batch_size
         self.data = SyntheticImages(2048, seed=seed)
-        self.model = nn.Sequential(  # the workbook's small CNN
-            nn.Conv2d(3, 16, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1),
-            nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1),
-            nn.Flatten(),
-            nn.Linear(32, 10),
-        )
+        self.model = small_cnn()
         self.loss_fn = nn.CrossEntropyLoss()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=3e-3)
         self.cursor = 0

@@ -20,6 +20,8 @@ The workbook's helper package. Its modules, in the order the notebooks meet them
 * :mod:`mgtutor.bench`: the all-reduce bandwidth benchmark (``python -m mgtutor.bench``).
 * :mod:`mgtutor.checkpoint`: :func:`save_checkpoint` that never leaves a half-written file.
 * :mod:`mgtutor.data`: an offline dataset that learns, and CIFAR-10 where available.
+* :mod:`mgtutor.models`: :func:`~mgtutor.models.small_cnn`, the workbook's model.
+* :mod:`mgtutor.metrics`: :func:`reduce_mean` and :func:`reduce_sums`, figures over all ranks.
 
 Importing mgtutor does not import torch or matplotlib: every worker imports this package
 first, and a worker's start-up time is the floor of every launch.
@@ -60,6 +62,8 @@ __all__ = [
     "plot_step_times",
     "plot_timeline",
     "progress",
+    "reduce_mean",
+    "reduce_sums",
     "save_checkpoint",
     "setup",
     "step",
@@ -70,7 +74,7 @@ __all__ = [
 
 # Submodules that import torch when loaded, reachable as ``mgtutor.data`` and so on after a
 # plain ``import mgtutor``: loaded on first use, since every worker imports this package first.
-_LAZY_MODULES = ("bench", "data", "syncbn")
+_LAZY_MODULES = ("bench", "data", "metrics", "models", "syncbn")
 
 
 def __getattr__(name: str) -> object:
@@ -83,4 +87,8 @@ def __getattr__(name: str) -> object:
         from mgtutor import syncbn
 
         return getattr(syncbn, name)
+    if name in ("reduce_mean", "reduce_sums"):
+        from mgtutor import metrics
+
+        return getattr(metrics, name)
     raise AttributeError(f"module 'mgtutor' has no attribute {name!r}")

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from mgtutor.data import SyntheticImages, default_dataset, load_cifar10
+from mgtutor.models import small_cnn
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -126,16 +127,7 @@ def _fit(model: nn.Module, data: SyntheticImages, epochs: int, lr: float) -> Non
 
 def test_small_cnn_learns(train_set: SyntheticImages, test_set: SyntheticImages) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Linear(32, 10),
-    )
+    model = small_cnn()
     before = _accuracy(model, test_set)
     _fit(model, train_set, epochs=5, lr=3e-3)
     after = _accuracy(model, test_set)

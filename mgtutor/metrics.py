@@ -1,0 +1,107 @@
+"""Numbers averaged over ranks, exactly: what a rank calls to report one figure for the whole run.
+
+Every rank sees only its shard, so a loss or an accuracy printed by one rank describes a part of
+the data. :func:`reduce_mean` gives every rank the mean over all ranks' samples; it is the one
+averaging helper the notebooks use::
+
+    loss_sum, seen = ..., ...                      # this rank's sum of losses and its sample count
+    mean_loss = mgtutor.reduce_mean(loss_sum, seen)  # sum over ranks / count over ranks
+
+Both functions are collectives: every rank of the process group must call them, in the same
+order, or the ranks that did wait until the group's timeout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["reduce_mean", "reduce_sums"]
+
+
+def _collective_device(device: torch.device | str | None) -> torch.device:
+    # NCCL reduces CUDA tensors only; gloo takes CPU tensors (and CUDA ones, copied through host).
+    if device is not None:
+        return torch.device(device)
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def reduce_sums(
+    *values: float | int | torch.Tensor, device: torch.device | str | None = None
+) -> list[float]:
+    """Add each value over all ranks with one ``all_reduce``; every rank gets the sums.
+
+    Args:
+        *values: numbers (or one-element tensors) this rank contributes, in the same order on
+            every rank.
+        device: where the reduction happens; by default the rank's GPU under NCCL, else CPU.
+
+    Returns:
+        The sums, as Python floats, in the order given. float64 holds whole counts exactly up to
+        2**53.
+
+    Raises:
+        ValueError: if no value is given or a tensor has more than one element.
+        RuntimeError: if no process group is initialized (call ``mgtutor.setup()`` first).
+
+    Example:
+        >>> correct, seen = reduce_sums(12, 32)   # on 2 ranks that each counted 12 of 32
+        >>> correct, seen
+        (24.0, 64.0)
+    """
+    if not values:
+        raise ValueError("reduce_sums needs at least one value to add over the ranks")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "reduce_sums is a collective: join the process group first (mgtutor.setup() or "
+            "torch.distributed.init_process_group) in every rank"
+        )
+    numbers = []
+    for position, value in enumerate(values):
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ValueError(
+                    f"value {position} has {value.numel()} elements; reduce_sums adds numbers. "
+                    f"Sum the tensor first, or all_reduce it yourself."
+                )
+            value = value.detach().item()
+        numbers.append(float(value))
+    sums = torch.tensor(numbers, dtype=torch.float64, device=_collective_device(device))
+    dist.all_reduce(sums)  # ReduceOp.SUM, the result on every rank
+    return sums.tolist()
+
+
+def reduce_mean(
+    total: float | int | torch.Tensor,
+    count: float | int = 1,
+    *,
+    device: torch.device | str | None = None,
+) -> float:
+    """The mean over all ranks' samples: (sum of ``total`` over ranks) / (sum of ``count``).
+
+    Pass a rank's *sum* and how many samples it summed, and the result is the exact mean over
+    every sample of every rank, whatever each rank's share. With the default ``count=1`` each
+    rank counts once, so ``reduce_mean(local_mean)`` is the mean of the ranks' means: equal to
+    the exact mean only when every rank averaged over the same number of samples.
+
+    Args:
+        total: this rank's sum (or, with ``count=1``, its own figure).
+        count: how many samples ``total`` sums.
+        device: where the reduction happens; see :func:`reduce_sums`.
+
+    Returns:
+        The same float on every rank.
+
+    Raises:
+        ValueError: if the counts add up to zero.
+
+    Example:
+        >>> reduce_mean(loss_sum, seen)   # rank 0: 30.0 over 10, rank 1: 10.0 over 30
+        1.0
+    """
+    summed_total, summed_count = reduce_sums(total, count, device=device)
+    if summed_count == 0:
+        raise ValueError("reduce_mean: the counts add up to 0 over all ranks; nothing to average")
+    return summed_total / summed_count
