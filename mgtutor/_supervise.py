@@ -30,8 +30,12 @@ _DRAIN_GRACE_S = 1.0
 _STACK_WAIT_S = 2.0
 _MAX_FRAMES = 16
 # A rank that returned gets this long to exit before it is stopped (a non-daemon thread or a
-# DataLoader worker can keep its process alive after fn returned).
+# DataLoader worker can keep its process alive after fn returned). Past it, a process that is
+# still using CPU (interpreter shutdown on a loaded machine, an atexit handler) gets more time,
+# up to the cap, and is stopped once it has used none for _EXIT_IDLE_S.
 _EXIT_GRACE_S = 5.0
+_EXIT_IDLE_S = 2.0
+_EXIT_GRACE_MAX_S = 60.0
 # Lines drawn with a carriage return (tqdm) are shown at most this often per rank and stream.
 _REDRAW_S = 0.5
 
@@ -65,6 +69,7 @@ class RankHandle:
     started: bool = False
     done: tuple[bytes, dict[str, Any]] | None = None
     done_at: float | None = None
+    exit_cpu: tuple[float, float] | None = None  # (CPU seconds, when they last grew)
     lingered: bool = False
     redrawn: dict[str, str] = field(default_factory=dict)
     redrawn_at: dict[str, float] = field(default_factory=dict)
@@ -139,7 +144,8 @@ class Supervisor:
         for h in self.handles:
             if h.done is None or h.exitcode is not None or h.done_at is None:
                 continue
-            if now - h.done_at < _EXIT_GRACE_S:
+            waited = now - h.done_at
+            if waited < _EXIT_GRACE_S or (waited < _EXIT_GRACE_MAX_S and _still_busy(h, now)):
                 continue
             members = _group_members(h.process.pid)
             self._signal_rank(h, signal.SIGKILL)
@@ -150,7 +156,7 @@ class Supervisor:
             extra = f" and {others} process(es) it had started" if others else ""
             print(
                 f"mgtutor: rank {h.rank} returned, but its process was still running "
-                f"{_EXIT_GRACE_S:g} s later (a non-daemon thread, or a DataLoader or other "
+                f"{waited:.0f} s later (a non-daemon thread, or a DataLoader or other "
                 f"child process that was not shut down); it was stopped{extra}. Its result is "
                 f"kept. End threads (daemon=True, or join them) and child processes before fn "
                 f"returns.",
@@ -547,6 +553,28 @@ def _as_drawn(line: bytes) -> str:
     """What a terminal shows for ``line``: the text after its last carriage return."""
     segments = [part for part in line.split(b"\r") if part]
     return segments[-1].decode("utf-8", "replace") if segments else ""
+
+
+def _still_busy(h: RankHandle, now: float) -> bool:
+    """Whether a returned rank's process ran or wanted to run within the last _EXIT_IDLE_S s.
+
+    A process that is still shutting down (slowly, on a machine with more runnable processes
+    than cores) keeps using CPU or waits for a core; one held open by a thread blocked on a join
+    or a sleep does neither.
+    """
+    import psutil
+
+    try:
+        process = psutil.Process(h.process.pid)
+        times = process.cpu_times()
+        runnable = process.status() == psutil.STATUS_RUNNING
+    except psutil.Error:
+        return False
+    used = times.user + times.system
+    if h.exit_cpu is None or used > h.exit_cpu[0] or runnable:
+        h.exit_cpu = (used, now)
+        return True
+    return now - h.exit_cpu[1] < _EXIT_IDLE_S
 
 
 def _group_members(pgid: int | None) -> list[int]:
