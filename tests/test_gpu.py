@@ -337,7 +337,7 @@ def test_forkserver_never_initializes_cuda() -> None:
 
 @needs_gpus(1)
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("number", ["01", "02", "03", "04", "05", "06"])
+@pytest.mark.parametrize("number", ["01", "02", "03", "04", "05", "06", "07", "08"])
 def test_notebook_runs_under_nbval_on_gpus(number: str) -> None:
     (notebook,) = (REPO / "notebooks").glob(f"{number}_*.ipynb")
     done = subprocess.run(
