@@ -62,9 +62,11 @@ def _per_channel(stat: Tensor, ndim: int) -> Tensor:
 class _SyncBatchNormFunction(torch.autograd.Function):
     """Batch norm in training mode with statistics over the samples of every rank.
 
-    Autograd cannot differentiate through ``dist.all_reduce``, so this Function writes the
-    backward pass by hand. For one channel, with N values over all ranks, x̂ = (x - mean) *
-    invstd and y = weight * x̂ + bias, the gradient with respect to one input value is::
+    A plain ``dist.all_reduce`` works in place and autograd does not record it (backpropagating
+    through it warns and yields only the local term), so this Function writes the backward pass
+    by hand, as torch's own SyncBatchNorm does. For one channel, with N values over all ranks,
+    x̂ = (x - mean) * invstd and y = weight * x̂ + bias, the gradient with respect to one input
+    value is::
 
         dL/dx = weight * invstd * (dy - sum(dy) / N - x̂ * sum(dy * x̂) / N)
 
