@@ -10,6 +10,8 @@ import threading
 import time
 
 import pytest
+import torch
+import torch.distributed as dist
 
 import mgtutor
 from mgtutor import _supervise as supervise
@@ -45,14 +47,14 @@ def test_raising_worker_stops_the_others_quickly() -> None:
     assert isinstance(error.original, ValueError)
     assert "rank 1 raised ValueError: bad value in rank 1" in str(error)
     assert "No process of this launch is left running" in str(error)
-    assert elapsed < 30
+    # Far below the barrier's 600 s; generous for spawned ranks importing torch on a busy machine.
+    assert elapsed < 120
 
 
 def test_hang_past_timeout_names_ranks_and_shows_stacks() -> None:
+    # torch is a global of fn, so ranks import it before fn starts and the timeout, which counts
+    # from there, is not spent on a slow import.
     def work() -> None:
-        import torch
-        import torch.distributed as dist
-
         mgtutor.setup()
         if dist.get_rank() == 0:
             dist.all_reduce(torch.ones(1))  # rank 1 never joins
@@ -328,14 +330,16 @@ def test_next_launch_works_after_a_failure() -> None:
     assert mgtutor.launch(lambda: "fine", world_size=2).results == ["fine", "fine"]
 
 
-def test_fifty_launches_leak_no_processes_and_no_descriptors() -> None:
+def test_repeated_launches_leak_no_processes_and_no_descriptors(start_method: str) -> None:
+    # Fifty from the forkserver; ten spawned (each imports torch), enough to show a leak per launch.
+    launches = 50 if start_method == "forkserver" else 10
     mgtutor.launch(lambda: None, world_size=2)  # warm-up: the resource tracker starts once
     fds = open_fds()
     pids = set()
-    for _ in range(50):
+    for _ in range(launches):
         run = mgtutor.launch(lambda: os.getpid(), world_size=2)
         pids.update(run.results)
-    assert len(pids) == 100
+    assert len(pids) == 2 * launches
     assert worker_children() == []
     assert open_fds() == fds
 
