@@ -20,7 +20,10 @@ The workbook's helper package. Its modules, in the order the notebooks meet them
 * :mod:`mgtutor.bench`: the all-reduce bandwidth benchmark (``python -m mgtutor.bench``).
 * :mod:`mgtutor.checkpoint`: :func:`save_checkpoint` that never leaves a half-written file.
 * :mod:`mgtutor.data`: an offline dataset that learns, and CIFAR-10 where available.
-* :mod:`mgtutor.models`: :func:`~mgtutor.models.small_cnn`, the workbook's model.
+* :mod:`mgtutor.models`: :func:`~mgtutor.models.small_cnn` and :func:`~mgtutor.models.mlp`, the
+  workbook's models.
+* :mod:`mgtutor.stats`: :func:`~mgtutor.stats.spread` and :func:`~mgtutor.stats.compare`,
+  repeated measurements read with their spread.
 * :mod:`mgtutor.metrics`: :func:`reduce_mean` and :func:`reduce_sums`, figures over all ranks.
 
 Importing mgtutor does not import torch or matplotlib: every worker imports this package
@@ -74,7 +77,7 @@ __all__ = [
 
 # Submodules that import torch when loaded, reachable as ``mgtutor.data`` and so on after a
 # plain ``import mgtutor``: loaded on first use, since every worker imports this package first.
-_LAZY_MODULES = ("bench", "data", "metrics", "models", "syncbn")
+_LAZY_MODULES = ("bench", "data", "metrics", "models", "stats", "syncbn")
 
 
 def __getattr__(name: str) -> object:

@@ -4,13 +4,14 @@ One definition, so a notebook's figures and a test's assertions are about the sa
 
     model = mgtutor.models.small_cnn()             # 3x16x16 images, 10 classes
     model = mgtutor.models.small_cnn(batchnorm=True)  # with BatchNorm2d after each conv
+    model = mgtutor.models.mlp(width=512, depth=6)  # square linear layers, for timing studies
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-__all__ = ["small_cnn"]
+__all__ = ["mlp", "small_cnn"]
 
 
 def small_cnn(
@@ -58,3 +59,31 @@ def small_cnn(
         nn.Flatten(),
         nn.Linear(32, num_classes),
     )
+
+
+def mlp(width: int = 512, depth: int = 6) -> nn.Sequential:
+    """``depth`` square linear layers of ``width`` features with a ReLU between each two.
+
+    The performance notebooks time it: its work per sample and its gradient size
+    (``depth * (width**2 + width)`` float32 values) are easy to reason about and to scale.
+
+    Args:
+        width: input, hidden and output features.
+        depth: number of linear layers.
+
+    Returns:
+        A fresh ``nn.Sequential`` (Linear, ReLU, ..., Linear).
+
+    Raises:
+        ValueError: if ``width`` or ``depth`` is below 1.
+
+    Example:
+        >>> sum(p.numel() for p in mlp(width=4, depth=2).parameters())
+        40
+    """
+    if width < 1 or depth < 1:
+        raise ValueError(f"width and depth must be at least 1, got width={width}, depth={depth}")
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers[:-1])

@@ -1,4 +1,4 @@
-"""mgtutor.models.small_cnn and mgtutor.metrics: the shared model and the cross-rank means."""
+"""mgtutor.models, .metrics and .stats: the shared models, cross-rank means and spreads."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 import mgtutor
-from mgtutor.models import small_cnn
+from mgtutor.models import mlp, small_cnn
+from mgtutor.stats import compare, spread
 
 
 def test_small_cnn_shapes_and_size() -> None:
@@ -85,3 +86,24 @@ def test_reduce_sums_outside_a_process_group_says_what_to_do() -> None:
         pytest.skip("a process group is open in the test process")
     with pytest.raises(RuntimeError, match=r"mgtutor.setup\(\)"):
         mgtutor.reduce_sums(1.0)
+
+
+def test_mlp_layers_and_size() -> None:
+    model = mlp(width=8, depth=3)
+    assert [type(m).__name__ for m in model] == ["Linear", "ReLU", "Linear", "ReLU", "Linear"]
+    assert sum(p.numel() for p in model.parameters()) == 3 * (8 * 8 + 8)
+    assert model(torch.zeros(2, 8)).shape == (2, 8)
+    with pytest.raises(ValueError, match="depth"):
+        mlp(depth=0)
+
+
+def test_spread_and_compare() -> None:
+    assert spread([3.0, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert compare([1, 2], [3, 4]) == "lower"
+    assert compare([3, 4], [1, 2]) == "higher"
+    assert compare([1, 3], [2, 4]) is None  # overlapping ranges: no difference claimed
+    assert compare([1, 2], [2, 3]) is None  # touching is overlapping
+    with pytest.raises(ValueError, match="at least one"):
+        spread([])
+    with pytest.raises(ValueError, match="each side"):
+        compare([], [1])
