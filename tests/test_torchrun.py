@@ -1,4 +1,4 @@
-"""The workbook's training script under torchrun on CPU: one node, two nodes, a restart."""
+"""The workbook's training script under torchrun on CPU: one node, two nodes, a restart, @record."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "notebooks" / "scripts" / "train_ddp.py"
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# One thread per worker in every run, as torchrun gives the single-node run's two workers
+# (OMP_NUM_THREADS=1 whenever it starts more than one per node): same sums, same order.
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -25,6 +28,21 @@ def free_port() -> int:
 
 def results(prefix: Path, world_size: int) -> list[dict]:
     return [json.loads(Path(f"{prefix}.rank{r}.json").read_text()) for r in range(world_size)]
+
+
+# What each worker reports of torchrun's variables, in this order.
+CONTRACT = (
+    "rank",
+    "local_rank",
+    "world_size",
+    "group_rank",
+    "local_world_size",
+    "group_world_size",
+)
+
+
+def contract(row: dict) -> tuple:
+    return tuple(row[key] for key in CONTRACT)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +62,7 @@ def single_node(tmp_path_factory) -> list[dict]:
         capture_output=True,
         text=True,
         timeout=200,
+        env=ONE_THREAD,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "epoch 1: mean loss" in done.stdout
@@ -51,52 +70,61 @@ def single_node(tmp_path_factory) -> list[dict]:
 
 
 def test_standalone_torchrun_gives_each_worker_the_contract(single_node) -> None:
-    assert [(r["rank"], r["local_rank"], r["world_size"]) for r in single_node] == [
-        (0, 0, 2),
-        (1, 1, 2),
-    ]
+    assert [contract(r) for r in single_node] == [(0, 0, 2, 0, 2, 1), (1, 1, 2, 0, 2, 1)]
     assert single_node[0]["weights"] == single_node[1]["weights"]
+    assert single_node[0]["losses"] == single_node[1]["losses"]
+    assert len(single_node[0]["losses"]) == 2 * 1024 // (2 * 32), "one mean loss per step"
 
 
 def test_two_nodes_on_loopback_match_the_single_node_run(tmp_path, single_node) -> None:
-    command = [
-        *TORCHRUN,
-        "--nnodes=2",
-        "--nproc-per-node=1",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-        "--rdzv-id=test",
-        str(SCRIPT),
-        "--epochs",
-        "2",
-        "--result",
-        str(tmp_path / "run"),
+    port = free_port()
+    commands = [
+        [
+            *TORCHRUN,
+            "--nnodes=2",
+            f"--node-rank={node}",
+            "--nproc-per-node=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(SCRIPT),
+            "--epochs",
+            "2",
+            "--result",
+            str(tmp_path / "run"),
+        ]
+        for node in (0, 1)
     ]
-    # One thread per worker, as torchrun gives the single-node run's two workers
-    # (OMP_NUM_THREADS=1 whenever it starts more than one per node): same sums, same order.
-    one_thread = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [
         subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=one_thread
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=ONE_THREAD,
+            start_new_session=True,
         )
-        for _ in range(2)
+        for command in commands
     ]
     try:
         outputs = [node.communicate(timeout=200) for node in nodes]
     finally:
         for node in nodes:
-            node.kill()
+            if node.poll() is None:
+                os.killpg(node.pid, 9)  # the agent and its workers
+                node.wait()
     assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in outputs]
     two = results(tmp_path / "run", 2)
-    assert sorted((r["rank"], r["local_rank"]) for r in two) == [(0, 0), (1, 0)]
-    assert sorted(r["group_rank"] for r in two) == [0, 1]
+    # Static rendezvous: --node-rank is the node's GROUP_RANK; WORLD_SIZE counts processes.
+    assert [contract(r) for r in two] == [(0, 0, 2, 0, 1, 2), (1, 0, 2, 1, 1, 2)]
+    assert all(r["master_addr"] == "127.0.0.1" for r in two)
     # The topology does not change the arithmetic: equal, not merely close.
     assert two[0]["weights"] == two[1]["weights"] == single_node[0]["weights"]
+    assert two[0]["losses"] == single_node[0]["losses"]
 
 
-def test_restart_resumes_from_the_snapshot_and_ends_where_an_uninterrupted_run_does(
-    tmp_path, single_node
-) -> None:
+def test_restart_resumes_from_the_snapshot_on_the_same_loss_curve(tmp_path, single_node) -> None:
+    import torch
+
     done = subprocess.run(
         [
             *TORCHRUN,
@@ -116,14 +144,51 @@ def test_restart_resumes_from_the_snapshot_and_ends_where_an_uninterrupted_run_d
         capture_output=True,
         text=True,
         timeout=200,
-        env={**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
+        env={**ONE_THREAD, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "crashed").exists(), "rank 1 was killed once"
     assert "resuming from the snapshot of epoch 0" in done.stdout
     resumed = results(tmp_path / "run", 2)
-    assert resumed[0]["weights"] == single_node[0]["weights"]
+    # Every step's loss, the restored first epoch's and the repeated second epoch's, bit for bit.
+    assert resumed[0]["losses"] == resumed[1]["losses"] == single_node[0]["losses"]
+    assert resumed[0]["weights"] == resumed[1]["weights"] == single_node[0]["weights"]
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("run")) == [
         "crashed",
         "snap.pt",
     ], "no partial snapshot left behind"
+    snap = torch.load(tmp_path / "snap.pt", weights_only=True)
+    assert sorted(snap) == ["losses", "model", "optimizer", "rng", "sampler", "scaler", "scheduler"]
+    assert snap["sampler"] == {"seed": 0, "epoch": 1}
+    assert snap["scaler"] == {}, "GradScaler is disabled on CPU; its empty state is saved anyway"
+    assert snap["scheduler"]["last_epoch"] == len(snap["losses"]) == len(single_node[0]["losses"])
+    # One set of generator states per rank, and the ranks' differ (seeded with 1 + rank).
+    assert len(snap["rng"]) == 2
+    assert not torch.equal(snap["rng"][0]["torch"], snap["rng"][1]["torch"])
+
+
+def test_record_writes_the_exception_to_torchelastic_error_file(tmp_path) -> None:
+    # What torchrun gives a single worker, set by hand: one process fewer than torchrun would start.
+    worker_env = {
+        **ONE_THREAD,
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "TORCHELASTIC_ERROR_FILE": str(tmp_path / "error.json"),
+    }
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--fail-on-rank", "0"],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        env=worker_env,
+    )
+    assert done.returncode == 1
+    message = "ValueError: rank 0 cannot read its shard (raised on purpose by --fail-on-rank)"
+    assert message in done.stderr
+    error = json.loads((tmp_path / "error.json").read_text())["message"]
+    assert error["message"] == message
+    assert "raise ValueError" in error["extraInfo"]["py_callstack"]
