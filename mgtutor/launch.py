@@ -317,9 +317,14 @@ def launch(
 
 START_METHODS = ("forkserver", "spawn")
 DEFAULT_START_METHOD = "forkserver"
+# What the forkserver imports once, so that ranks forked from it need not. torch._dynamo is
+# here because DDP's constructor imports it: about 2.4 s per rank on a quiet 2-core machine,
+# paid by every launch that builds a DDP model. Importing it starts no thread and asks no CUDA
+# question (checked on CPU); tests/test_gpu.py checks on GPUs that the server never loads libcuda.
 _FORKSERVER_PRELOAD = (
     "torch",
     "torch.distributed",
+    "torch._dynamo",
     "cloudpickle",
     "psutil",
     "mgtutor.worker",
