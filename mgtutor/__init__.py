@@ -78,6 +78,13 @@ __all__ = [
 # Submodules that import torch when loaded, reachable as ``mgtutor.data`` and so on after a
 # plain ``import mgtutor``: loaded on first use, since every worker imports this package first.
 _LAZY_MODULES = ("bench", "data", "metrics", "models", "stats", "syncbn")
+# Public names that live in those submodules, and the submodule each one is loaded from.
+_LAZY_NAMES = {
+    "SyncBatchNorm": "syncbn",
+    "convert_sync_batchnorm": "syncbn",
+    "reduce_mean": "metrics",
+    "reduce_sums": "metrics",
+}
 
 
 def __getattr__(name: str) -> object:
@@ -85,13 +92,10 @@ def __getattr__(name: str) -> object:
 
     if name in _LAZY_MODULES:
         return importlib.import_module(f"mgtutor.{name}")
-    # mgtutor.syncbn subclasses a torch class; load it only when one of its names is asked for.
-    if name in ("SyncBatchNorm", "convert_sync_batchnorm"):
-        from mgtutor import syncbn
-
-        return getattr(syncbn, name)
-    if name in ("reduce_mean", "reduce_sums"):
-        from mgtutor import metrics
-
-        return getattr(metrics, name)
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(f"mgtutor.{_LAZY_NAMES[name]}"), name)
     raise AttributeError(f"module 'mgtutor' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY_MODULES) | set(_LAZY_NAMES))
