@@ -173,12 +173,12 @@ def _copy_bandwidth(size: int, device: torch.device, repeats: int = 10) -> float
                 best = min(best, start.elapsed_time(end) / 1e3)  # given in milliseconds
         return size / best
 
-    from mgtutor.worker import _usable_cores
+    from mgtutor.hardware import usable_cores
 
     # setup() gave this rank its share of the cores; the ceiling is a copy that may use all of
     # them, while the other ranks wait in a barrier.
     threads = torch.get_num_threads()
-    torch.set_num_threads(_usable_cores())
+    torch.set_num_threads(usable_cores())
     try:
         for _ in range(repeats):
             start_s = time.perf_counter()

@@ -82,10 +82,15 @@ class HardwareInfo:
         return "\n".join(self._lines())
 
 
-def _cpu_cores() -> int:
+def usable_cores() -> int:
+    """The CPU cores this process may run on: its affinity mask, or every core on macOS.
+
+    A container, ``taskset`` or a batch scheduler can allow fewer cores than the machine has;
+    ``os.cpu_count()`` would count them all.
+    """
     try:
         return len(os.sched_getaffinity(0))
-    except AttributeError:
+    except AttributeError:  # macOS has no affinity masks
         return os.cpu_count() or 1
 
 
@@ -111,7 +116,7 @@ def describe_hardware() -> HardwareInfo:
             gpus.append(GpuInfo(i, props.name, int(props.total_memory), (props.major, props.minor)))
     available = dist.is_available()
     return HardwareInfo(
-        cpu_cores=_cpu_cores(),
+        cpu_cores=usable_cores(),
         memory_bytes=int(psutil.virtual_memory().total),
         gpus=tuple(gpus),
         torch_version=torch.__version__,

@@ -168,11 +168,19 @@ def backend_for(local_world_size: int) -> str:
     return "nccl" if enough_gpus and dist.is_nccl_available() else "gloo"
 
 
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS has no affinity masks
-        return os.cpu_count() or 1
+def _threads_per_rank(contract: WorkerContract) -> int:
+    """How many CPU threads a rank gets: its share of the cores the ranks on this machine share.
+
+    Under srun with ``--cpus-per-task``, Slurm binds each task to cores of its own, so the
+    affinity mask is already this rank's share and is not divided again.
+    """
+    from mgtutor.hardware import usable_cores
+
+    cores = usable_cores()
+    per_task = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if contract.source == "slurm" and per_task.isdigit() and cores <= int(per_task):
+        return cores
+    return max(1, cores // contract.local_world_size)
 
 
 def setup(
@@ -239,7 +247,7 @@ def setup(
         # CPU work (a GPU rank has some too: data preparation, the optimizer on CPU tensors),
         # and they fight over the cores, which makes two ranks slower than one. torchrun
         # sets OMP_NUM_THREADS=1 for the same reason; a value the user set is kept.
-        torch.set_num_threads(max(1, _usable_cores() // contract.local_world_size))
+        torch.set_num_threads(_threads_per_rank(contract))
     if contract.source == "slurm":
         os.environ.update(
             RANK=str(contract.rank),

@@ -201,3 +201,21 @@ def test_importing_mgtutor_does_not_import_torch() -> None:
     assert set(mgtutor.__all__) <= set(dir(mgtutor))
     for name in mgtutor.__all__:  # the lazily loaded ones too
         assert getattr(mgtutor, name) is not None
+
+
+def test_threads_per_rank_divide_shared_cores_but_not_a_slurm_tasks_own(monkeypatch) -> None:
+    from mgtutor import hardware, worker
+
+    monkeypatch.setattr(hardware, "usable_cores", lambda: 8)
+
+    def contract(source: str) -> worker.WorkerContract:
+        return worker.WorkerContract(0, 0, 4, 4, "h", 1, source)
+
+    monkeypatch.delenv("SLURM_CPUS_PER_TASK", raising=False)
+    assert worker._threads_per_rank(contract("torchrun")) == 2  # 4 ranks share 8 cores
+    assert worker._threads_per_rank(contract("slurm")) == 2  # no binding said: share them
+    # srun --cpus-per-task=8 binds each task to 8 cores of its own: all 8 are this rank's.
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "8")
+    assert worker._threads_per_rank(contract("slurm")) == 8
+    # torchrun under srun (one task per node): its workers share the task's cores.
+    assert worker._threads_per_rank(contract("torchrun")) == 2
