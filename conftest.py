@@ -13,11 +13,29 @@ def pytest_collectstart(collector: pytest.Collector) -> None:
         collector.skip_compare = (*collector.skip_compare, "stderr")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Unit tests get a tight limit so a hang fails fast; notebook cells keep nbval's own.
     for item in items:
         if item.path.suffix == ".py" and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(UNIT_TEST_TIMEOUT_S))
+    # Not run twice: a launcher test whose behaviour does not depend on how ranks start runs on
+    # the default start method only; a test that asserts what a notebook collected in this
+    # session asserts too runs only where that notebook does not (the torch-floor stage).
+    notebooks = {item.path.name for item in items if item.path.suffix == ".ipynb"}
+    kept, dropped = [], []
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        method = callspec.params.get("start_method") if callspec else None
+        repeats = item.get_closest_marker("repeats_notebook")
+        if (method == "spawn" and item.get_closest_marker("any_start_method")) or (
+            repeats and repeats.args[0] in notebooks
+        ):
+            dropped.append(item)
+        else:
+            kept.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
 
 
 @pytest.fixture(params=["forkserver", "spawn"])

@@ -567,9 +567,16 @@ def _still_busy(h: RankHandle, now: float) -> bool:
     try:
         process = psutil.Process(h.process.pid)
         times = process.cpu_times()
-        runnable = process.status() == psutil.STATUS_RUNNING
+        status = process.status()
+    except psutil.NoSuchProcess:
+        return True  # it has ended; its exit code is on the way
     except psutil.Error:
         return False
+    if status == psutil.STATUS_ZOMBIE:
+        # Ended, not yet reaped: a forkserver rank's exit code comes through the server,
+        # which can take seconds on a loaded machine.
+        return True
+    runnable = status == psutil.STATUS_RUNNING
     used = times.user + times.system
     if h.exit_cpu is None or used > h.exit_cpu[0] or runnable:
         h.exit_cpu = (used, now)

@@ -282,6 +282,7 @@ def test_a_stack_dump_signal_never_kills_a_rank() -> None:
     assert mgtutor.launch(work, world_size=2).results == ["alive", "alive"]
 
 
+@pytest.mark.any_start_method
 def test_unpicklable_function_or_argument_fails_before_any_process_starts() -> None:
     lock = threading.Lock()
     with pytest.raises(pickle.PicklingError, match=r"argument 0 \(lock\).*_thread.lock"):
@@ -292,6 +293,7 @@ def test_unpicklable_function_or_argument_fails_before_any_process_starts() -> N
         mgtutor.launch(lambda: lock.locked())
 
 
+@pytest.mark.any_start_method
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -311,11 +313,13 @@ def test_bad_arguments_are_refused_before_any_process_starts(kwargs, error, matc
         mgtutor.launch(lambda: None, **kwargs)
 
 
+@pytest.mark.any_start_method
 def test_not_a_function_is_refused() -> None:
     with pytest.raises(TypeError, match="needs a function"):
         mgtutor.launch("train.py")
 
 
+@pytest.mark.any_start_method
 def test_nccl_with_too_few_gpus_says_what_is_available() -> None:
     import torch
 
@@ -344,6 +348,7 @@ def test_repeated_launches_leak_no_processes_and_no_descriptors(start_method: st
     assert open_fds() == fds
 
 
+@pytest.mark.any_start_method
 def test_launch_while_a_worker_is_bootstrapping_names_the_main_guard(monkeypatch) -> None:
     # What a script without `if __name__ == "__main__":` hits when some other spawn-based
     # pool re-imports it: a clear message instead of multiprocessing's bootstrapping error.

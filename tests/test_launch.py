@@ -216,6 +216,7 @@ def test_many_lines_and_large_results_arrive_whole(capfd) -> None:
         assert bool((result == rank).all())
 
 
+@pytest.mark.any_start_method
 def test_tracebacks_show_the_newest_cells_first(monkeypatch) -> None:
     import importlib
     import linecache
@@ -233,6 +234,7 @@ def test_tracebacks_show_the_newest_cells_first(monkeypatch) -> None:
     assert sum(len(line) for lines in sources.values() for line in lines) <= 10_000
 
 
+@pytest.mark.any_start_method
 def test_submodules_are_attributes_after_a_plain_import() -> None:
     done = subprocess.run(
         [sys.executable, "-c", "import mgtutor; print(mgtutor.data.SyntheticImages.__name__)"],
@@ -244,6 +246,7 @@ def test_submodules_are_attributes_after_a_plain_import() -> None:
     assert done.stdout.strip() == "SyntheticImages"
 
 
+@pytest.mark.any_start_method
 def test_progress_falls_back_to_text_outside_a_notebook(capsys) -> None:
     def work() -> None:
         for i in range(1, 11):
@@ -258,6 +261,7 @@ def test_progress_falls_back_to_text_outside_a_notebook(capsys) -> None:
         assert tenths == sorted(tenths, key=int) and len(tenths) >= 5
 
 
+@pytest.mark.any_start_method
 def test_progress_outside_any_launch_prints_text(capsys) -> None:
     desc = f"alone-{time.monotonic_ns()}"  # progress limits its rate per description
     mgtutor.progress(5, 10, desc=desc)
@@ -266,6 +270,7 @@ def test_progress_outside_any_launch_prints_text(capsys) -> None:
         mgtutor.progress(1, 0)
 
 
+@pytest.mark.any_start_method
 def test_timing_records_and_run_display() -> None:
     def work() -> str:
         mgtutor.setup()
@@ -292,6 +297,7 @@ def test_timing_records_and_run_display() -> None:
     assert html.count("<tr>") == 3 and "peak memory" in html
 
 
+@pytest.mark.any_start_method
 def test_memory_figures_see_a_large_tensor() -> None:
     def work() -> None:
         # torch is a global here, as in a notebook: it is imported before fn starts.
@@ -306,6 +312,7 @@ def test_memory_figures_see_a_large_tensor() -> None:
     assert all(not r.memory.is_cuda for r in run.ranks)
 
 
+@pytest.mark.any_start_method
 def test_rendezvous_listens_on_loopback_only() -> None:
     def listening() -> list[str]:
         import psutil
@@ -347,6 +354,7 @@ def test_script_without_main_guard_runs_its_top_level_once(tmp_path: Path) -> No
     assert worker_children() == []
 
 
+@pytest.mark.any_start_method
 def test_progress_board_draws_one_widget_bar_per_rank() -> None:
     from mgtutor.progress import ProgressBoard
 
@@ -407,6 +415,7 @@ def test_ranks_see_the_notebooks_current_environment_folder_and_path(tmp_path, m
     assert mgtutor.launch(look, world_size=2).results == [expected, expected]
 
 
+@pytest.mark.any_start_method
 def test_no_forkserver_outlives_the_process_that_launched() -> None:
     script = textwrap.dedent(
         """

@@ -76,6 +76,7 @@ def test_standalone_torchrun_gives_each_worker_the_contract(single_node) -> None
     assert len(single_node[0]["losses"]) == 2 * 1024 // (2 * 32), "one mean loss per step"
 
 
+@pytest.mark.repeats_notebook("09_torchrun_multinode.ipynb")
 def test_two_nodes_on_loopback_match_the_single_node_run(tmp_path, single_node) -> None:
     port = free_port()
     commands = [
@@ -122,6 +123,7 @@ def test_two_nodes_on_loopback_match_the_single_node_run(tmp_path, single_node) 
     assert two[0]["losses"] == single_node[0]["losses"]
 
 
+@pytest.mark.repeats_notebook("09_torchrun_multinode.ipynb")
 def test_restart_resumes_from_the_snapshot_on_the_same_loss_curve(tmp_path, single_node) -> None:
     import torch
 
@@ -167,6 +169,7 @@ def test_restart_resumes_from_the_snapshot_on_the_same_loss_curve(tmp_path, sing
     assert not torch.equal(snap["rng"][0]["torch"], snap["rng"][1]["torch"])
 
 
+@pytest.mark.repeats_notebook("09_torchrun_multinode.ipynb")
 def test_record_writes_the_exception_to_torchelastic_error_file(tmp_path) -> None:
     # What torchrun gives a single worker, set by hand: one process fewer than torchrun would start.
     worker_env = {
