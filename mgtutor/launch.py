@@ -149,30 +149,30 @@ def _host_store(world_size: int) -> Any:
         "wait_for_workers": False,
         "timeout": datetime.timedelta(seconds=300),
     }
-    if _classic_store_needed:
+
+    def store_on_a_new_socket(**implementation: Any) -> Any:
         listener = listening_socket()
         port = listener.getsockname()[1]
-        return dist.TCPStore(
-            "127.0.0.1", port, master_listen_fd=listener.detach(), use_libuv=False, **options
-        )
-    listener = listening_socket()
-    port = listener.getsockname()[1]
-    fd = listener.detach()  # the store owns it from here
-    try:
-        return dist.TCPStore("127.0.0.1", port, master_listen_fd=fd, **options)
-    except (NotImplementedError, RuntimeError) as exc:
+        fd = listener.detach()  # the store owns it from here
         try:
-            os.close(fd)
-        except OSError:
-            pass
-        if "listen fd" not in str(exc) and "libuv" not in str(exc):
+            return dist.TCPStore(
+                "127.0.0.1", port, master_listen_fd=fd, **options, **implementation
+            )
+        except BaseException:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
             raise
-    _classic_store_needed = True  # ask once per session (the refusal also prints a log line)
-    listener = listening_socket()
-    port = listener.getsockname()[1]
-    return dist.TCPStore(
-        "127.0.0.1", port, master_listen_fd=listener.detach(), use_libuv=False, **options
-    )
+
+    if not _classic_store_needed:
+        try:
+            return store_on_a_new_socket()
+        except (NotImplementedError, RuntimeError) as exc:
+            if "listen fd" not in str(exc) and "libuv" not in str(exc):
+                raise
+        _classic_store_needed = True  # ask once per session (the refusal also prints a log line)
+    return store_on_a_new_socket(use_libuv=False)
 
 
 def _loopback_interface() -> str | None:
