@@ -3,6 +3,8 @@
 The workbook's helper package. Its modules, in the order the notebooks meet them:
 
 * :mod:`mgtutor.launch`: :func:`launch` starts one process per rank from a cell.
+* :mod:`mgtutor.pool`: :class:`Pool`, ranks kept alive between cells; :mod:`mgtutor.magic`,
+  the ``%%ddp`` cell magic on top of it (``%load_ext mgtutor``).
 * :mod:`mgtutor.worker`: :func:`setup` joins the process group inside a worker (also under
   torchrun and SLURM).
 * :mod:`mgtutor.run`: :class:`Run`, what a launch returns.
@@ -10,6 +12,9 @@ The workbook's helper package. Its modules, in the order the notebooks meet them
 * :mod:`mgtutor.progress`: :func:`progress`, per-rank progress bars.
 * :mod:`mgtutor.timing`: :func:`phase`, :func:`step`, :class:`StepTimer`.
 * :mod:`mgtutor.memory`: what the per-rank memory figures count.
+* :mod:`mgtutor.memplan`: :func:`~mgtutor.memplan.breakdown`, :func:`~mgtutor.memplan.estimate`
+  and :func:`plot_breakdown`, each rank's memory by category (parameters, gradients,
+  optimizer state, DDP buckets), measured and computed; :func:`track` puts it in the run.
 * :mod:`mgtutor.plots`: :func:`plot_memory`, :func:`plot_timeline`, :func:`plot_step_times`,
   :func:`plot_scaling`.
 * :mod:`mgtutor.hardware`: :func:`describe_hardware`, what this machine offers.
@@ -25,6 +30,9 @@ The workbook's helper package. Its modules, in the order the notebooks meet them
 * :mod:`mgtutor.stats`: :func:`~mgtutor.stats.spread` and :func:`~mgtutor.stats.compare`,
   repeated measurements read with their spread.
 * :mod:`mgtutor.metrics`: :func:`reduce_mean` and :func:`reduce_sums`, figures over all ranks.
+* :mod:`mgtutor.doctor`: what the ranks' records of their collectives (torch's Flight
+  Recorder) say went wrong in a hang; :func:`~mgtutor.doctor.find_drift`, replicas that differ.
+* :mod:`mgtutor.exercises`: exercises that check themselves on CPU ranks.
 
 Importing mgtutor does not import torch or matplotlib: every worker imports this package
 first, and a worker's start-up time is the floor of every launch.
@@ -36,7 +44,9 @@ from mgtutor.hardware import HardwareInfo, describe_hardware
 from mgtutor.interactive import Experiment
 from mgtutor.launch import launch
 from mgtutor.memory import MemoryStats
+from mgtutor.memplan import MemoryBreakdown, plot_breakdown, track
 from mgtutor.plots import plot_memory, plot_scaling, plot_step_times, plot_timeline
+from mgtutor.pool import Pool
 from mgtutor.progress import progress
 from mgtutor.run import RankResult, Run
 from mgtutor.timing import PhaseRecord, StepTimer, phase, step, timer
@@ -46,8 +56,10 @@ __all__ = [
     "Experiment",
     "HardwareInfo",
     "SyncBatchNorm",
+    "MemoryBreakdown",
     "MemoryStats",
     "PhaseRecord",
+    "Pool",
     "RankResult",
     "Run",
     "StepTimer",
@@ -60,6 +72,7 @@ __all__ = [
     "launch",
     "load_checkpoint",
     "phase",
+    "plot_breakdown",
     "plot_memory",
     "plot_scaling",
     "plot_step_times",
@@ -72,12 +85,13 @@ __all__ = [
     "step",
     "teardown",
     "timer",
+    "track",
 ]
 
 
 # Submodules that import torch when loaded, reachable as ``mgtutor.data`` and so on after a
 # plain ``import mgtutor``: loaded on first use, since every worker imports this package first.
-_LAZY_MODULES = ("bench", "data", "metrics", "models", "stats", "syncbn")
+_LAZY_MODULES = ("bench", "data", "exercises", "metrics", "models", "stats", "syncbn")
 # Public names that live in those submodules, and the submodule each one is loaded from.
 _LAZY_NAMES = {
     "SyncBatchNorm": "syncbn",
@@ -99,3 +113,10 @@ def __getattr__(name: str) -> object:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY_MODULES) | set(_LAZY_NAMES))
+
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext mgtutor``: add the ``%%ddp`` cell magic (see :mod:`mgtutor.magic`)."""
+    from mgtutor.magic import load_ipython_extension as load
+
+    load(ipython)

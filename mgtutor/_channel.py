@@ -1,8 +1,9 @@
 """The worker's line back to the notebook: messages a rank sends while it runs.
 
-Only a worker started by :func:`mgtutor.launch` has a channel. Everything that reports to the
-parent (progress bars, the final result) goes through :func:`send`, which does nothing when
-there is no channel, so the same training code also runs under torchrun or in one process.
+Only a rank started by :func:`mgtutor.launch` or a :class:`mgtutor.Pool` has a channel.
+Everything that reports to the parent (progress bars, the final result) goes through
+:func:`send`, which does nothing when there is no channel, so the same training code also
+runs under torchrun or in one process.
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ def is_attached() -> bool:
     return _conn is not None
 
 
-def send(kind: str, *payload: Any) -> bool:
-    """Send one message to the parent; return False when there is no parent to send to."""
+def send(message: Any) -> bool:
+    """Send one message (a class of :mod:`mgtutor._messages`) to the parent.
+
+    Returns:
+        False when there is no parent to send to, or it is gone.
+    """
     if _conn is None:
         return False
     with _lock:  # a DataLoader thread and the main thread may both report progress
         try:
-            _conn.send((kind, *payload))
+            _conn.send(message)
         except (BrokenPipeError, ConnectionResetError, OSError):
             return False
     return True

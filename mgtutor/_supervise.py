@@ -1,11 +1,15 @@
-"""The parent's watch over running workers: relay output, notice faults, clean up.
+"""The notebook's watch over its ranks: wait for their answers, notice faults, stop them.
 
-One loop in the calling thread waits on every worker's pipes and process handle at once. It
-prints each complete line a worker wrote as ``[rank r] ...`` (so lines from two ranks never mix,
-and output reaches the cell even under nbval, where ipykernel does not forward child output),
-passes progress reports to the bars, and collects results. When a rank fails, the launch runs
-past its timeout, or the cell is interrupted, it stops every rank (SIGTERM, then SIGKILL after a
-second), including processes the ranks started themselves, and says what it stopped.
+One loop in the calling thread waits on every rank's message pipe, output pipes and process
+handle at once (:mod:`mgtutor._relay` prints the output as it comes). A call ends when every
+rank it went to has answered and its output has all been relayed. When a rank fails, the call
+runs past its timeout, or the cell is interrupted, the :class:`Supervisor` stops what must stop
+(:mod:`mgtutor._cleanup`) and raises an error that says what happened and what was stopped.
+
+A pool (``keep=True``) tries to keep its ranks: when a rank raises and the others finish the
+call, the ranks stay; when the others do not finish (they wait in a collective the failed rank
+will never join), or a rank dies or times out, every rank is stopped and the pool starts new
+ones on its next call. A launch (``keep=False``) stops every rank at the first fault.
 """
 
 from __future__ import annotations
@@ -21,23 +25,29 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from mgtutor import _cleanup
+from mgtutor._messages import Done, Failed, Hello, Progress, Ready, Started
+from mgtutor._relay import RankOutput
 from mgtutor.errors import WorkerError, WorkerTimeout
 from mgtutor.progress import ProgressBoard
 
 _POLL_S = 0.1
-_TERM_GRACE_S = 1.0
 _DRAIN_GRACE_S = 1.0
 _STACK_WAIT_S = 2.0
 _MAX_FRAMES = 16
-# A rank that returned gets this long to exit before it is stopped (a non-daemon thread or a
-# DataLoader worker can keep its process alive after fn returned). Past it, a process that is
-# still using CPU (interpreter shutdown on a loaded machine, an atexit handler) gets more time,
-# up to the cap, and is stopped once it has used none for _EXIT_IDLE_S.
+# After one rank of a pool raised, the others get this long to end the same call before the
+# pool concludes they wait for it in a collective and stops every rank.
+_PEER_GRACE_S = 3.0
+# After Ctrl+C, a pool's ranks get this long to stop fn (KeyboardInterrupt in each) before
+# they are stopped.
+_INTERRUPT_GRACE_S = 3.0
+# A rank told to exit gets this long before it is stopped (a non-daemon thread or a DataLoader
+# worker can keep its process alive after fn returned). Past it, a process that is still using
+# CPU (interpreter shutdown on a loaded machine, an atexit handler) gets more time, up to the
+# cap, and is stopped once it has used none for _EXIT_IDLE_S.
 _EXIT_GRACE_S = 5.0
 _EXIT_IDLE_S = 2.0
 _EXIT_GRACE_MAX_S = 60.0
-# Lines drawn with a carriage return (tqdm) are shown at most this often per rank and stream.
-_REDRAW_S = 0.5
 
 _SIGNAL_HINTS = {
     "SIGKILL": (
@@ -57,58 +67,118 @@ _SIGNAL_HINTS = {
 
 @dataclass
 class RankHandle:
-    """The parent's view of one worker process."""
+    """The notebook's view of one rank process."""
 
     rank: int
     process: BaseProcess
     conn: Connection
-    pipes: dict[str, Connection]
-    partial: dict[str, bytes] = field(default_factory=dict)
-    diag: bytearray = field(default_factory=bytearray)
+    output: RankOutput
     main_ident: int | None = None
+    ready: bool = False
+    # The call this rank is in, and how far it got.
+    call: int = 0
     started: bool = False
-    done: tuple[bytes, dict[str, Any]] | None = None
-    done_at: float | None = None
+    done: Done | None = None
+    error: Failed | None = None
+    failed_at: float | None = None
+    # Processes fn started, as the rank reported them (pid: start time).
+    children: dict[int, float] = field(default_factory=dict)
+    exit_asked_at: float | None = None
     exit_cpu: tuple[float, float] | None = None  # (CPU seconds, when they last grew)
     lingered: bool = False
-    redrawn: dict[str, str] = field(default_factory=dict)
-    redrawn_at: dict[str, float] = field(default_factory=dict)
-    error: tuple[Any, ...] | None = None
-    failed_at: float | None = None
     exitcode: int | None = None
     conn_open: bool = True
     closed: bool = False
 
-    def __post_init__(self) -> None:
-        self.open_pipes = set(self.pipes)
+    def begin(self, call: int) -> None:
+        """Forget the last call's answer: ``call`` has been sent."""
+        self.call, self.started = call, False
+        self.done, self.error, self.failed_at = None, None, None
+
+    @property
+    def answered(self) -> bool:
+        """True when the rank ended its call, one way or the other."""
+        return self.done is not None or self.failed_at is not None
 
 
 class Supervisor:
-    """Watches the ranks of one launch until they all finish, or stops them all."""
+    """Watches the ranks of one pool (or one launch) and stops them when it must.
 
-    def __init__(
-        self, board: ProgressBoard, timeout: float | None, start_timeout: float | None = 300.0
-    ) -> None:
+    Args:
+        pool_note: added to every error that stopped the ranks ("" for a launch).
+    """
+
+    def __init__(self, pool_note: str = "") -> None:
         self.handles: list[RankHandle] = []
-        self.board = board
-        self.timeout = timeout
-        self.start_timeout = start_timeout
+        self.board: ProgressBoard | None = None
+        self.pool_note = pool_note
+        self.stopped = False  # the ranks were stopped after a fault
+        # rank -> the file its doctor responder writes its record to (mgtutor.doctor).
+        self.dump_paths: dict[int, str] = {}
 
     def add(self, handle: RankHandle) -> None:
         """Watch one more started rank."""
         self.handles.append(handle)
 
-    # --- the loop ---------------------------------------------------------------------------
+    def send(self, h: RankHandle, message: Any) -> bool:
+        """Send a message to a rank; False when its pipe is closed (the rank has gone)."""
+        try:
+            h.conn.send(message)
+            return True
+        except (OSError, ValueError):
+            return False
 
-    def run(self) -> list[RankHandle]:
-        """Relay and watch until every rank returned; raise WorkerError on the first fault.
+    def alive(self) -> bool:
+        """True while every rank process runs and none was stopped."""
+        return not self.stopped and all(
+            h.process.pid is not None and h.process.is_alive() for h in self.handles
+        )
 
-        ``timeout`` counts from the moment every rank has started fn, so a slow start (torch's
-        import on a busy machine) does not eat into it; ``start_timeout`` limits the start.
-        Either may be None: no limit.
+    # --- waiting --------------------------------------------------------------------------
+
+    def wait_ready(self, start_timeout: float | None) -> None:
+        """Wait until every rank has started and joined the process group.
+
+        Raises:
+            WorkerError: a rank failed on the way.
+            WorkerTimeout: ``start_timeout`` passed.
         """
+        deadline = None if start_timeout is None else time.monotonic() + start_timeout
+        try:
+            while not all(h.ready for h in self.handles):
+                self._pump(_POLL_S)
+                self._reap()
+                if any(h.failed_at is not None for h in self.handles):
+                    self._raise_failure(self.handles, keep=False)
+                if deadline is not None and time.monotonic() > deadline:
+                    self._raise_timeout(self.handles, None, start_timeout, starting=True)
+        except KeyboardInterrupt:
+            self._stop_on_interrupt()
+            raise
+
+    def run_call(
+        self,
+        call: int,
+        targets: list[RankHandle],
+        board: ProgressBoard,
+        timeout: float | None,
+        start_timeout: float | None,
+        keep: bool,
+    ) -> None:
+        """Wait until every rank in ``targets`` answered ``call`` (already sent to them).
+
+        ``timeout`` counts from the moment every target has started fn, so a slow start
+        (torch's import on a busy machine) does not eat into it; ``start_timeout`` limits the
+        start. Either may be None: no limit.
+
+        Raises:
+            WorkerError: a rank failed (see the module docstring for what is stopped).
+            WorkerTimeout: a limit passed; every rank was stopped.
+            KeyboardInterrupt: the cell was interrupted.
+        """
+        self.board = board
         now = time.monotonic()
-        start_deadline = None if self.start_timeout is None else now + self.start_timeout
+        start_deadline = None if start_timeout is None else now + start_timeout
         deadline: float | None = None
         all_started = False
         try:
@@ -116,53 +186,24 @@ class Supervisor:
                 self._pump(_POLL_S)
                 self._reap()
                 if any(h.failed_at is not None for h in self.handles):
-                    self._raise_failure()
-                self._stop_lingering()
-                if all(h.done is not None and h.exitcode is not None for h in self.handles):
-                    self._drain(_DRAIN_GRACE_S)
-                    self._stop_leftovers()
-                    self.board.finish(None)
-                    return self.handles
+                    self._raise_failure(targets, keep)
+                if all(h.done is not None and h.output.relayed(call) for h in targets):
+                    board.finish(None)
+                    return
                 now = time.monotonic()
-                if not all_started and all(h.started for h in self.handles):
+                if not all_started and all(h.started for h in targets):
                     all_started = True
-                    deadline = None if self.timeout is None else now + self.timeout
+                    deadline = None if timeout is None else now + timeout
                 if deadline is not None and now > deadline:
-                    self._raise_timeout()
+                    self._raise_timeout(targets, timeout, start_timeout)
                 if not all_started and start_deadline is not None and now > start_deadline:
-                    self._raise_timeout(starting=True)
+                    self._raise_timeout(targets, timeout, start_timeout, starting=True)
         except KeyboardInterrupt:
-            cleanup = self._stop_all()
-            self._drain(0.2)
-            print(f"Interrupted. {cleanup}", file=sys.stderr, flush=True)
-            self.board.finish(-1)
+            if keep and not self.stopped:
+                self._interrupt(call, targets)
+            else:
+                self._stop_on_interrupt()
             raise
-
-    def _stop_lingering(self) -> None:
-        """Stop a rank whose fn returned but whose process did not exit; keep its result."""
-        now = time.monotonic()
-        for h in self.handles:
-            if h.done is None or h.exitcode is not None or h.done_at is None:
-                continue
-            waited = now - h.done_at
-            if waited < _EXIT_GRACE_S or (waited < _EXIT_GRACE_MAX_S and _still_busy(h, now)):
-                continue
-            members = _group_members(h.process.pid)
-            self._signal_rank(h, signal.SIGKILL)
-            h.process.join(2)
-            h.exitcode = h.process.exitcode
-            h.lingered = True
-            others = len([p for p in members if p != h.process.pid])
-            extra = f" and {others} process(es) it had started" if others else ""
-            print(
-                f"mgtutor: rank {h.rank} returned, but its process was still running "
-                f"{waited:.0f} s later (a non-daemon thread, or a DataLoader or other "
-                f"child process that was not shut down); it was stopped{extra}. Its result is "
-                f"kept. End threads (daemon=True, or join them) and child processes before fn "
-                f"returns.",
-                file=sys.stderr,
-                flush=True,
-            )
 
     def _watched(self) -> dict[Any, tuple[RankHandle, str]]:
         watched: dict[Any, tuple[RankHandle, str]] = {}
@@ -171,8 +212,8 @@ class Supervisor:
                 continue
             if h.conn_open:
                 watched[h.conn] = (h, "conn")
-            for name in h.open_pipes:
-                watched[h.pipes[name]] = (h, name)
+            for name in h.output.open:
+                watched[h.output.pipes[name]] = (h, name)
             if h.exitcode is None:
                 watched[h.process.sentinel] = (h, "exit")
         return watched
@@ -189,47 +230,10 @@ class Supervisor:
             if what == "conn":
                 self._receive(handle)
             elif what != "exit":
-                self._read_pipe(handle, what)
+                handle.output.read(what)
         sys.stdout.flush()
         sys.stderr.flush()
         return bool(ready)
-
-    def _read_pipe(self, h: RankHandle, name: str) -> None:
-        try:
-            data = os.read(h.pipes[name].fileno(), 65536)
-        except OSError:
-            data = b""
-        if name == "diag":
-            if data:
-                h.diag += data
-            else:
-                h.open_pipes.discard(name)
-            return
-        buffered = h.partial.get(name, b"") + data
-        *lines, rest = buffered.split(b"\n")
-        if not data:  # end of file: what is left is a last line without a newline
-            lines, rest = ([*lines, rest] if rest else lines), b""
-            h.open_pipes.discard(name)
-        target = sys.stdout if name == "stdout" else sys.stderr
-        for line in lines:
-            text = _as_drawn(line)
-            if h.redrawn.pop(name, None) == text:
-                continue  # its last drawing is already on screen
-            target.write(f"[rank {h.rank}] {text}\n")
-        if b"\r" in rest:
-            # A line redrawn in place (tqdm): show what a terminal shows now, at most every
-            # _REDRAW_S, instead of holding it back until the next newline.
-            drawn = rest.rstrip(b"\r")
-            if b"\r" in drawn:
-                rest = rest[drawn.rindex(b"\r") :]  # what came before is drawn over
-            text = _as_drawn(rest)
-            now = time.monotonic()
-            due = now - h.redrawn_at.get(name, 0.0) >= _REDRAW_S
-            if text and due and text != h.redrawn.get(name):
-                target.write(f"[rank {h.rank}] {text}\n")
-                h.redrawn[name] = text
-                h.redrawn_at[name] = now
-        h.partial[name] = rest
 
     def _receive(self, h: RankHandle) -> None:
         try:
@@ -237,19 +241,21 @@ class Supervisor:
         except (EOFError, OSError):
             h.conn_open = False
             return
-        kind, *body = message
-        if kind == "hello":
-            h.main_ident = body[1]
-        elif kind == "started":
+        if isinstance(message, Progress):
+            if self.board is not None:
+                self.board.update(h.rank, message.step, message.total, message.desc)
+        elif isinstance(message, Started) and message.call == h.call:
             h.started = True
-        elif kind == "progress":
-            self.board.update(h.rank, *body)
-        elif kind == "done":
-            h.done = (body[0], body[1])
-            h.done_at = time.monotonic()
-        elif kind == "error":
-            h.error = tuple(body)
-            h.failed_at = body[5]
+        elif isinstance(message, Done) and message.call == h.call:
+            h.done = message
+            h.children.update(message.record.get("children", []))
+        elif isinstance(message, Failed) and message.call in (h.call, 0):
+            h.error = message
+            h.failed_at = message.when
+        elif isinstance(message, Hello):
+            h.main_ident = message.main_ident
+        elif isinstance(message, Ready):
+            h.ready = True
 
     def _reap(self) -> None:
         for h in self.handles:
@@ -259,8 +265,8 @@ class Supervisor:
             h.exitcode = h.process.exitcode
             while h.conn_open and self._poll(h.conn):
                 self._receive(h)
-            if h.failed_at is None and (h.exitcode != 0 or h.done is None) and not h.lingered:
-                h.failed_at = time.perf_counter()
+            if h.failed_at is None and h.exit_asked_at is None:
+                h.failed_at = time.perf_counter()  # it ended without being asked to
 
     @staticmethod
     def _poll(conn: Connection) -> bool:
@@ -271,7 +277,46 @@ class Supervisor:
 
     # --- faults -----------------------------------------------------------------------------
 
-    def _raise_failure(self) -> None:
+    def _diagnose(self) -> Any:
+        """Ask every live rank for its record of collectives; what the doctor makes of them.
+
+        Ranks that failed sent their record with the failure. Returns None when there is
+        nothing to compare (no rank made a process group).
+        """
+        from mgtutor import doctor
+
+        alive = {
+            h.rank: h.process.pid
+            for h in self.handles
+            if h.process.pid is not None and h.process.is_alive() and h.rank in self.dump_paths
+        }
+        try:
+            records: dict[int, Any] = doctor.request_dumps(alive, self.dump_paths, timeout=1.0)
+        except OSError:
+            records = {}
+        for h in self.handles:
+            if h.error is not None and h.error.record is not None:
+                records.setdefault(h.rank, h.error.record)
+        traced = {r: rec for r, rec in records.items() if rec.get("trace") is not None}
+        no_group = all(not (rec.get("trace") or {}).get("entries") for rec in traced.values())
+        if not records or (traced and no_group):
+            return None  # no collective was ever issued: nothing to say
+        finished = [h.rank for h in self.handles if h.done is not None]
+        try:
+            return doctor.diagnose(records, finished=finished, world_size=len(self.handles))
+        except Exception as exc:  # the doctor must never hide the error it explains
+            return doctor.Diagnosis(
+                f"the doctor failed on these records ({type(exc).__name__}: {exc})",
+                kind="no_recorder",
+                records=records,
+            )
+
+    def _stop(self, primary: RankHandle | None = None) -> str:
+        cleanup = _cleanup.stop_all(self.handles, primary)
+        self.stopped = True
+        return f"{cleanup} {self.pool_note}".strip()
+
+    def _raise_failure(self, targets: list[RankHandle], keep: bool) -> None:
         # Let near-simultaneous reports arrive, then blame the rank that failed first: when one
         # rank dies, its peers often fail a moment later with "connection closed by peer".
         settle_until = time.monotonic() + 0.2
@@ -282,37 +327,93 @@ class Supervisor:
         # A rank killed by a signal (the out-of-memory killer, a crash) is the cause of what its
         # peers report next ("Connection closed by peer"), even when their report arrives
         # before the parent notices the death: blame it first.
-        killed = [h for h in failed if h.error is None and (h.exitcode or 0) < 0]
+        died = [h for h in failed if h.error is None]
+        killed = [h for h in died if (h.exitcode or 0) < 0]
         first = min(killed or failed, key=lambda h: h.failed_at or 0.0)
-        cleanup = self._stop_all(primary=first)
+        if keep and not died:
+            kept, diagnosis = self._settle_after_error(first, targets)
+            if kept is not None:
+                if self.board is not None:
+                    self.board.finish(first.rank)
+                raise self._describe(first, kept, diagnosis)
+        diagnosis = self._diagnose()
+        cleanup = self._stop(primary=first)
         self._drain(_DRAIN_GRACE_S)
-        self.board.finish(first.rank)
-        raise self._describe(first, cleanup)
+        if self.board is not None:
+            self.board.finish(first.rank)
+        raise self._describe(first, cleanup, diagnosis)
 
-    def _describe(self, h: RankHandle, cleanup: str) -> WorkerError:
+    def _settle_after_error(
+        self, first: RankHandle, targets: list[RankHandle]
+    ) -> tuple[str | None, Any]:
+        """A pool's rank raised: let the others end the call.
+
+        Returns:
+            The sentence to report (None when a rank died meanwhile: the caller stops them
+            all), and the doctor's diagnosis when some ranks were stuck.
+        """
+        until = time.monotonic() + _PEER_GRACE_S
+        while time.monotonic() < until and not all(h.answered for h in targets):
+            self._pump(0.05)
+            self._reap()
+        if any(h.error is None and h.failed_at is not None for h in self.handles):
+            return None, None  # one died meanwhile
+        stuck = [h for h in targets if not h.answered]
+        if stuck:
+            diagnosis = self._diagnose()
+            stacks = self._stacks(stuck)
+            names = ", ".join(str(h.rank) for h in stuck)
+            cleanup = self._stop(primary=first)
+            self._drain(_DRAIN_GRACE_S)
+            where = "".join(
+                f"\nWhere rank {h.rank} was (most recent call first):\n{stacks[h.rank]}"
+                for h in stuck
+            )
+            first.error = first.error and _with_note(
+                first.error,
+                f"Rank(s) {names} had not finished {_PEER_GRACE_S:g} s later: most likely they "
+                f"wait in a collective rank {first.rank} will never reach.{where}",
+            )
+            return cleanup, diagnosis
+        deadline = time.monotonic() + _DRAIN_GRACE_S
+        while time.monotonic() < deadline and not all(h.output.relayed(h.call) for h in targets):
+            self._pump(0.05)
+        others = [h for h in targets if h is not first]
+        also = [str(h.rank) for h in others if h.error is not None]
+        fine = [str(h.rank) for h in others if h.done is not None]
+        parts = []
+        if also:
+            parts.append(f"rank(s) {', '.join(also)} failed too")
+        if fine:
+            parts.append(f"rank(s) {', '.join(fine)} finished the call")
+        said = ("; ".join(parts) + ". ") if parts else ""
+        return f"{said.capitalize()}The pool's ranks are kept, with what they hold.", None
+
+    def _describe(self, h: RankHandle, cleanup: str, diagnosis: Any = None) -> WorkerError:
         if h.error is not None:
-            exc_type, message, tb, original_blob, context, _ = h.error
+            error = h.error
             original = None
-            if original_blob is not None:
+            if error.original is not None:
                 try:
                     import cloudpickle
 
-                    original = cloudpickle.loads(original_blob)
+                    original = cloudpickle.loads(error.original)
                 except Exception:
                     original = None
-            if context == "raised":
-                summary = f"rank {h.rank} raised {exc_type}: {message}"
+            if error.context == "raised":
+                summary = f"rank {h.rank} raised {error.exc_type}: {error.message}"
             else:
-                summary = f"rank {h.rank} {context}: {exc_type}: {message}"
+                summary = f"rank {h.rank} {error.context}: {error.exc_type}: {error.message}"
             return WorkerError(
                 summary,
                 rank=h.rank,
-                exc_type=exc_type,
-                exc_message=message,
-                worker_traceback=tb,
+                exc_type=error.exc_type,
+                exc_message=error.message,
+                worker_traceback=error.traceback,
                 exitcode=h.exitcode,
                 cleanup=cleanup,
                 original=original,
+                diagnosis=diagnosis,
             )
         code = h.exitcode
         if code is not None and code < 0:
@@ -321,7 +422,12 @@ class Supervisor:
                 f"rank {h.rank} was killed by signal {name} ({-code}).{_SIGNAL_HINTS.get(name, '')}"
             )
             return WorkerError(
-                summary, rank=h.rank, exitcode=code, signal_name=name, cleanup=cleanup
+                summary,
+                rank=h.rank,
+                exitcode=code,
+                signal_name=name,
+                cleanup=cleanup,
+                diagnosis=diagnosis,
             )
         if code == 0:
             summary = f"rank {h.rank} exited without returning a result (its process ended early)."
@@ -330,35 +436,39 @@ class Supervisor:
                 f"rank {h.rank} exited with code {code} before returning a result "
                 f"(os._exit, or a failure while the worker started; its last output is above)."
             )
-        return WorkerError(summary, rank=h.rank, exitcode=code, cleanup=cleanup)
+        return WorkerError(
+            summary, rank=h.rank, exitcode=code, cleanup=cleanup, diagnosis=diagnosis
+        )
 
-    def _raise_timeout(self, starting: bool = False) -> None:
-        running = [h for h in self.handles if h.process.is_alive() and h.done is None]
-        for h in running:
-            if h.main_ident is None:
-                continue  # no "hello" yet: its stack-dump handler may not be installed
-            try:
-                os.kill(h.process.pid, signal.SIGUSR1)  # faulthandler dumps the stack
-            except ProcessLookupError:
-                pass
-        self._collect_stacks(running)
-        stacks = {h.rank: _format_stack(bytes(h.diag), h.main_ident) for h in running}
-        cleanup = self._stop_all()
+    def _raise_timeout(
+        self,
+        targets: list[RankHandle],
+        timeout: float | None,
+        start_timeout: float | None,
+        starting: bool = False,
+    ) -> None:
+        running = [h for h in targets if h.process.is_alive() and not h.answered]
+        diagnosis = None if starting else self._diagnose()
+        stacks = self._stacks(running)
+        cleanup = self._stop()
         self._drain(_DRAIN_GRACE_S)
-        self.board.finish(running[0].rank if running else -1)
+        if self.board is not None:
+            self.board.finish(running[0].rank if running else -1)
         names = ", ".join(str(h.rank) for h in running) or "none"
         if starting:
-            waiting = ", ".join(str(h.rank) for h in self.handles if not h.started)
+            waiting = ", ".join(
+                str(h.rank) for h in targets if not (h.started or (h.ready and h.call == 0))
+            )
             summary = (
-                f"Ranks {waiting} had not started fn after start_timeout={self.start_timeout:g} "
-                f"s (starting Python, importing, unpickling fn and its arguments); every rank "
-                f"was stopped. The stacks below show where they were. On a slow or busy "
-                f"machine, or with torch on a network file system, pass a larger "
+                f"Ranks {waiting} had not started after start_timeout={start_timeout:g} s "
+                f"(starting Python, importing, joining the group, unpickling fn and its "
+                f"arguments); every rank was stopped. The stacks below show where they were. On "
+                f"a slow or busy machine, or with torch on a network file system, pass a larger "
                 f"start_timeout (or None for no limit)."
             )
         else:
             summary = (
-                f"fn ran past its timeout of {self.timeout:g} s; ranks still running: {names}. A "
+                f"fn ran past its timeout of {timeout:g} s; ranks still running: {names}. A "
                 f"rank that waits in a collective (all_reduce, barrier, ...) that another rank "
                 f"never calls waits until it is stopped: look at the stacks below."
             )
@@ -367,158 +477,161 @@ class Supervisor:
             running=[h.rank for h in running],
             stacks=stacks,
             cleanup=cleanup,
+            diagnosis=diagnosis,
         )
 
-    def _collect_stacks(self, running: list[RankHandle]) -> None:
+    def _stacks(self, ranks: list[RankHandle]) -> dict[int, str]:
+        """Each rank's Python stack now, from its faulthandler (works while it is blocked)."""
+        for h in ranks:
+            h.output.diag.clear()
+            if h.main_ident is None:
+                continue  # no Hello yet: its stack-dump handler may not be installed
+            try:
+                os.kill(h.process.pid, signal.SIGUSR1)
+            except (ProcessLookupError, TypeError):
+                pass
         until = time.monotonic() + _STACK_WAIT_S
         while time.monotonic() < until:
-            before = [len(h.diag) for h in running]
+            before = [len(h.output.diag) for h in ranks]
             self._pump(0.3)
-            grew = any(len(h.diag) != n for h, n in zip(running, before))
-            if all(h.diag for h in running) and not grew:
-                return
+            grew = any(len(h.output.diag) != n for h, n in zip(ranks, before))
+            if all(h.output.diag for h in ranks) and not grew:
+                break
+        return {h.rank: _format_stack(bytes(h.output.diag), h.main_ident) for h in ranks}
 
-    # --- cleanup ----------------------------------------------------------------------------
-
-    def _descendants(self) -> list[Any]:
-        import psutil
-
-        found = []
-        for h in self.handles:
+    def _interrupt(self, call: int, targets: list[RankHandle]) -> None:
+        """Ctrl+C in a pool: interrupt fn on every rank; stop them all if that fails."""
+        busy = [h for h in targets if not h.answered]
+        for h in busy:
             try:
-                found += psutil.Process(h.process.pid).children(recursive=True)
-            except psutil.Error:
+                os.kill(h.process.pid, signal.SIGINT)
+            except (ProcessLookupError, TypeError):
                 pass
-        return found
-
-    def _signal_rank(self, h: RankHandle, sig: int) -> None:
-        pid = h.process.pid
-        if pid is None:
-            return
+        until = time.monotonic() + _INTERRUPT_GRACE_S
         try:
-            os.killpg(pid, sig)  # the rank made its own process group at start
-        except ProcessLookupError:
-            if h.process.is_alive():  # killed before it could make its group
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        except PermissionError:
-            pass
-
-    def _stop_all(self, primary: RankHandle | None = None) -> str:
-        """Stop every rank still running and everything it started; say what was stopped."""
-        import psutil
-
-        alive = [h for h in self.handles if h.process.pid is not None and h.process.is_alive()]
-        descendants = self._descendants()
-        for h in alive:
-            self._signal_rank(h, signal.SIGTERM)
-        until = time.monotonic() + _TERM_GRACE_S
-        while time.monotonic() < until and any(h.process.is_alive() for h in alive):
-            wait([h.process.sentinel for h in alive if h.process.is_alive()], 0.05)
-        notes = []
-        for h in alive:
-            if h is not primary:
-                how = "SIGTERM" if not h.process.is_alive() else "SIGKILL"
-                notes.append(f"stopped rank {h.rank} (ended by {how})")
-        for h in self.handles:
-            self._signal_rank(h, signal.SIGKILL)
-        for p in descendants:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        for h in self.handles:
-            h.process.join(5)
-            if h.exitcode is None and not h.process.is_alive():
-                h.exitcode = h.process.exitcode
-        psutil.wait_procs(descendants, timeout=2)
-        left = [h.rank for h in self.handles if h.process.is_alive()]
-        left_children = [p.pid for p in descendants if _still_running(p)]
-        for h in self.handles:
-            if h is primary or h in alive:
-                continue
-            if h.error is not None and h.failed_at is not None:
-                notes.append(
-                    f"rank {h.rank} had already failed ({h.error[0]}: {_first_line(h.error[1])})"
-                )
-            elif h.done is not None:
-                notes.append(f"rank {h.rank} had finished")
-        stopped = "Cleanup: " + "; ".join(notes) + "." if notes else ""
-        if left or left_children:
-            return f"{stopped} Still running despite SIGKILL: ranks {left}, pids {left_children}."
-        return f"{stopped} No process of this launch is left running.".lstrip()
-
-    def _stop_leftovers(self) -> None:
-        """After success: end processes a rank started and left behind, and say what was done.
-
-        A rank's children stay in its process group after the rank exits (they are re-parented,
-        so only the group still finds them); a child that made its own session is found as a
-        descendant while its rank lives. Each is killed, and the message names only those that
-        really were running and what became of them.
-        """
-        import psutil
-
-        pids: set[int] = set()
-        for h in self.handles:
-            if h.process.pid is not None:
-                pids.update(p for p in _group_members(h.process.pid) if p != h.process.pid)
-        pids.update(p.pid for p in self._descendants())
-        reported = {}
-        for h in self.handles:
-            for pid, created in h.done[1].get("children", []) if h.done else []:
-                reported[pid] = created
-        pids.update(reported)
-        procs = []
-        for pid in sorted(pids):
-            try:
-                proc = psutil.Process(pid)
-                if pid in reported and abs(proc.create_time() - reported[pid]) > 0.01:
-                    continue  # that pid was reused by an unrelated process
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    continue
-                proc.kill()
-                procs.append(proc)
-            except psutil.Error:
-                pass
-        if not procs:
-            return
-        _, alive = psutil.wait_procs(procs, timeout=2)
-        stopped = [p.pid for p in procs if p not in alive]
-        message = "mgtutor: the ranks returned but left processes running"
-        if stopped:
-            message += f"; stopped them (SIGKILL): pids {', '.join(map(str, stopped))}"
-        if alive:
-            message += (
-                f"; still running despite SIGKILL: pids {', '.join(str(p.pid) for p in alive)}"
+            while time.monotonic() < until and not all(h.answered for h in targets):
+                self._pump(0.05)
+                self._reap()
+        except KeyboardInterrupt:
+            pass  # pressed again: stop them below
+        stuck = [h for h in targets if not h.answered]
+        died = [h for h in self.handles if h.failed_at is not None and h.error is None]
+        if stuck or died:
+            names = ", ".join(str(h.rank) for h in stuck + died)
+            cleanup = self._stop()
+            self._drain(0.2)
+            message = (
+                f"Interrupted. Rank(s) {names} did not stop fn within {_INTERRUPT_GRACE_S:g} s "
+                f"(native code such as a collective cannot be interrupted). {cleanup}"
             )
-        print(message + ".", file=sys.stderr, flush=True)
+        else:
+            deadline = time.monotonic() + _DRAIN_GRACE_S
+            while time.monotonic() < deadline and not all(h.output.relayed(call) for h in targets):
+                self._pump(0.05)
+            message = "Interrupted: fn stopped on every rank; the pool's ranks are kept."
+        if self.board is not None:
+            self.board.finish(-1)
+        print(message, file=sys.stderr, flush=True)
+
+    def _stop_on_interrupt(self) -> None:
+        cleanup = self._stop()
+        self._drain(0.2)
+        print(f"Interrupted. {cleanup}", file=sys.stderr, flush=True)
+        if self.board is not None:
+            self.board.finish(-1)
+
+    # --- the end ----------------------------------------------------------------------------
 
     def _drain(self, grace: float) -> None:
         """Relay what the ranks wrote before they ended, until their pipes close or ``grace``."""
         until = time.monotonic() + grace
-        while time.monotonic() < until and any(h.open_pipes - {"diag"} for h in self.handles):
+        while time.monotonic() < until and any(h.output.open - {"diag"} for h in self.handles):
             self._pump(0.05)
             self._reap()
 
-    def close(self) -> None:
-        """Make sure nothing of this launch is left: kill what runs, close every pipe."""
+    def close(self, exit_message: Any) -> None:
+        """End every rank: ask each to exit, stop one that does not, then close every pipe.
+
+        A rank whose process does not end after it was asked (a non-daemon thread, a child
+        process still running) is stopped after ``_EXIT_GRACE_S``, and the notebook says so;
+        processes the ranks started and left behind are stopped too.
+        """
+        alive = [h for h in self.handles if h.process.pid is not None and h.process.is_alive()]
+        if alive and not self.stopped:
+            now = time.monotonic()
+            for h in alive:
+                h.exit_asked_at = now
+                self.send(h, exit_message)
+            try:
+                while any(h.exitcode is None for h in alive):
+                    self._pump(_POLL_S)
+                    self._reap()
+                    self._stop_lingering()
+                self._drain(_DRAIN_GRACE_S)
+                _cleanup.stop_leftovers(self.handles)
+            except KeyboardInterrupt:
+                self._stop_on_interrupt()
+                raise
+            finally:
+                self._close_pipes()
+            return
         if any(h.process.pid is not None and h.process.is_alive() for h in self.handles):
-            self._stop_all()
+            self._stop()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        if any(h.process.pid is not None and h.process.is_alive() for h in self.handles):
+            self._stop()
         for h in self.handles:
+            if h.closed:
+                continue
             if h.process.pid is not None:
                 h.process.join(1)
-            for conn in (h.conn, *h.pipes.values()):
-                conn.close()
+            h.conn.close()
+            h.output.close()
             h.closed = True
             try:
                 h.process.close()
             except ValueError:
                 pass
 
+    def _stop_lingering(self) -> None:
+        """Stop a rank that was asked to exit but did not; say why that happens."""
+        now = time.monotonic()
+        for h in self.handles:
+            if h.exitcode is not None or h.exit_asked_at is None:
+                continue
+            waited = now - h.exit_asked_at
+            busy = waited < _EXIT_GRACE_MAX_S and _cleanup.still_busy(h, now, _EXIT_IDLE_S)
+            if waited < _EXIT_GRACE_S or busy:
+                continue
+            members = _cleanup.group_members(h.process.pid)
+            _cleanup.signal_rank(h, signal.SIGKILL)
+            h.process.join(2)
+            h.exitcode = h.process.exitcode
+            h.lingered = True
+            others = len([p for p in members if p != h.process.pid])
+            extra = f" and {others} process(es) it had started" if others else ""
+            print(
+                f"mgtutor: rank {h.rank} returned, but its process was still running "
+                f"{waited:.0f} s later (a non-daemon thread, or a DataLoader or other "
+                f"child process that was not shut down); it was stopped{extra}. Its result is "
+                f"kept. End threads (daemon=True, or join them) and child processes before fn "
+                f"returns.",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+def _with_note(error: Failed, note: str) -> Failed:
+    from dataclasses import replace
+
+    return replace(error, traceback=f"{error.traceback.rstrip()}\n\n{note}")
+
 
 _FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
+# Functions below fn on a rank's stack: mgtutor's own start-up and call loop.
+_ENTRY_FRAMES = ("_run_call", "rank_main")
 
 
 def _format_stack(dump: bytes, main_ident: int | None) -> str:
@@ -537,78 +650,13 @@ def _format_stack(dump: bytes, main_ident: int | None) -> str:
                 continue
             text = f'  File "{frame["file"]}", line {frame["line"]}, in {frame["func"]}'
             source = linecache.getline(frame["file"], int(frame["line"])).strip()
-            if frame["func"] == "_worker_entry" and frames:
+            if frame["func"] in _ENTRY_FRAMES and frames:
                 break  # below fn are mgtutor's and multiprocessing's start-up frames
             frames.append(f"{text}\n    {source}" if source else text)
-            if frame["func"] == "_worker_entry":
+            if frame["func"] in _ENTRY_FRAMES:
                 break  # still starting up: mgtutor's own line says what it was doing
     if len(frames) > _MAX_FRAMES:
         # Keep the innermost frames (what it waits in) and the outermost (the user's fn).
         hidden = len(frames) - _MAX_FRAMES
         frames = [*frames[:6], f"  ... {hidden} frames omitted ...", *frames[-(_MAX_FRAMES - 6) :]]
     return "\n".join(frames)
-
-
-def _as_drawn(line: bytes) -> str:
-    """What a terminal shows for ``line``: the text after its last carriage return."""
-    segments = [part for part in line.split(b"\r") if part]
-    return segments[-1].decode("utf-8", "replace") if segments else ""
-
-
-def _still_busy(h: RankHandle, now: float) -> bool:
-    """Whether a returned rank's process ran or wanted to run within the last _EXIT_IDLE_S s.
-
-    A process that is still shutting down (slowly, on a machine with more runnable processes
-    than cores) keeps using CPU or waits for a core; one held open by a thread blocked on a join
-    or a sleep does neither.
-    """
-    import psutil
-
-    try:
-        process = psutil.Process(h.process.pid)
-        times = process.cpu_times()
-        status = process.status()
-    except psutil.NoSuchProcess:
-        return True  # it has ended; its exit code is on the way
-    except psutil.Error:
-        return False
-    if status == psutil.STATUS_ZOMBIE:
-        # Ended, not yet reaped: a forkserver rank's exit code comes through the server,
-        # which can take seconds on a loaded machine.
-        return True
-    runnable = status == psutil.STATUS_RUNNING
-    used = times.user + times.system
-    if h.exit_cpu is None or used > h.exit_cpu[0] or runnable:
-        h.exit_cpu = (used, now)
-        return True
-    return now - h.exit_cpu[1] < _EXIT_IDLE_S
-
-
-def _group_members(pgid: int | None) -> list[int]:
-    """Pids of the live processes in process group ``pgid`` (each rank leads its own group)."""
-    if pgid is None:
-        return []
-    import psutil
-
-    members = []
-    for pid in psutil.pids():
-        try:
-            if os.getpgid(pid) == pgid and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                members.append(pid)
-        except (OSError, psutil.Error):
-            continue
-    return members
-
-
-def _still_running(process: Any) -> bool:
-    import psutil
-
-    try:
-        return bool(process.is_running() and process.status() != psutil.STATUS_ZOMBIE)
-    except psutil.Error:
-        return False
-
-
-def _first_line(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line if len(line) <= 120 else line[:117] + "..."

@@ -6,7 +6,12 @@ worker's own traceback or stack so a learner can find the line that failed.
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["WorkerError", "WorkerTimeout"]
+
+# What mgtutor.doctor can name as the cause: ranks that did not call the same collectives.
+_DESYNCS = ("behind", "finished", "operation", "shape", "dtype")
 
 
 class WorkerError(RuntimeError):
@@ -22,6 +27,8 @@ class WorkerError(RuntimeError):
         signal_name: the signal's name (``"SIGKILL"``) when the worker was killed by one.
         cleanup: a sentence saying which other ranks were stopped.
         original: the worker's exception object when it could be sent back, else ``None``.
+        diagnosis: what the ranks' records of their collectives say went wrong
+            (:class:`mgtutor.doctor.Diagnosis`, its raw records in ``.records``), or None.
     """
 
     def __init__(
@@ -36,8 +43,10 @@ class WorkerError(RuntimeError):
         signal_name: str | None = None,
         cleanup: str = "",
         original: BaseException | None = None,
+        diagnosis: Any = None,
     ) -> None:
         self.summary = summary
+        self.diagnosis = diagnosis
         self.rank = rank
         self.exc_type = exc_type
         self.exc_message = exc_message
@@ -48,8 +57,19 @@ class WorkerError(RuntimeError):
         self.original = original
         super().__init__(self._compose())
 
+    def _lead(self) -> list[str]:
+        """The doctor's finding first, when it found something; then the summary."""
+        found = self.diagnosis
+        if found is None or found.kind == "agree":
+            return [self.summary]
+        if found.kind not in _DESYNCS:
+            # A missing record (a rank that died) or no recorder: the summary says more.
+            return [self.summary, f"(The ranks' records of collectives: {found.summary}.)"]
+        details = [f"  {line}" for line in found.details]
+        return [found.summary, *details, self.summary]
+
     def _compose(self) -> str:
-        parts = [self.summary]
+        parts = self._lead()
         if self.cleanup:
             parts.append(self.cleanup)
         if self.worker_traceback:
@@ -72,13 +92,16 @@ class WorkerTimeout(WorkerError):
         running: list[int],
         stacks: dict[int, str],
         cleanup: str = "",
+        diagnosis: Any = None,
     ) -> None:
         self.running = running
         self.stacks = stacks
-        super().__init__(summary, rank=running[0] if running else -1, cleanup=cleanup)
+        super().__init__(
+            summary, rank=running[0] if running else -1, cleanup=cleanup, diagnosis=diagnosis
+        )
 
     def _compose(self) -> str:
-        parts = [self.summary]
+        parts = self._lead()
         if self.cleanup:
             parts.append(self.cleanup)
         for rank in self.running:

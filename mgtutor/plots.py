@@ -45,16 +45,20 @@ def plot_memory(run: Run) -> Figure:
 
     GPU ranks: peak allocated (live tensors) beside peak reserved (the caching allocator's
     pool). CPU ranks: the worker process's resident memory when fn started beside its peak.
-    See :mod:`mgtutor.memory` for exactly what each figure counts.
+    See :mod:`mgtutor.memory` for exactly what each figure counts. When fn called
+    :func:`mgtutor.track` on every rank, a second panel stacks each rank's bytes by category
+    (parameters, gradients, optimizer state, DDP's buckets, and activations on a GPU).
 
     Args:
-        run: what :func:`mgtutor.launch` returned.
+        run: what :func:`mgtutor.launch` or :meth:`mgtutor.Pool.run` returned.
 
     Returns:
         The figure.
     """
-    fig = _new_figure(max(4.2, 1.6 + 1.1 * run.world_size), 4.2)
-    ax = fig.add_subplot()
+    tracked = [r.breakdown for r in run.ranks]
+    panels = 2 if tracked and all(b is not None for b in tracked) else 1
+    fig = _new_figure(max(4.2, 1.6 + 1.1 * len(run.ranks)) * panels, 4.2)
+    ax = fig.add_subplot(1, panels, 1)
     ranks = [r.rank for r in run.ranks]
     cuda = all(r.memory.is_cuda for r in run.ranks)
     if cuda:
@@ -75,11 +79,19 @@ def plot_memory(run: Run) -> Figure:
         values = [pair[i] / _MIB for pair in pairs]
         bars = ax.bar(xs, values, width, label=label)
         ax.bar_label(bars, labels=[format_bytes(pair[i]) for pair in pairs], fontsize=7)
-    ax.set_xticks(range(len(ranks)), [f"rank {r}\n{run.ranks[r].device}" for r in ranks])
+    ax.set_xticks(range(len(ranks)), [f"rank {r.rank}\n{r.device}" for r in run.ranks])
     ax.set_ylabel("MiB")
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     ax.margins(y=0.15)
+    if panels == 2:
+        from mgtutor.memplan import plot_breakdown
+
+        plot_breakdown(
+            {r.rank: b for r, b in zip(run.ranks, tracked)},
+            ax=fig.add_subplot(1, 2, 2),
+            title="What the tracked model and optimizer hold, by category",
+        )
     return fig
 
 

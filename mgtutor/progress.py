@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from mgtutor import _channel
+from mgtutor._messages import Progress
 
 __all__ = ["progress"]
 
@@ -42,7 +43,7 @@ def progress(step: int, total: int, desc: str = "") -> None:
     if step < total and last is not None and now - last < _MIN_INTERVAL_S:
         return
     _last_sent[desc] = now
-    if _channel.send("progress", int(step), int(total), desc):
+    if _channel.send(Progress(int(step), int(total), desc)):
         return
     _print_text(None, step, total, desc, None)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mgtutor.memory import MemoryStats, format_bytes
+from mgtutor.memplan import MemoryBreakdown
 from mgtutor.timing import STEP, PhaseRecord
 
 __all__ = ["RankResult", "Run"]
@@ -32,6 +33,8 @@ class RankResult:
         result: what fn returned there.
         timings: the intervals it recorded with :mod:`mgtutor.timing`, times relative to the
             launch's start.
+        breakdown: what :func:`mgtutor.track` named in fn, by category (see
+            :class:`~mgtutor.memplan.MemoryBreakdown`); None if fn tracked nothing.
     """
 
     rank: int
@@ -42,11 +45,15 @@ class RankResult:
     memory: MemoryStats
     result: Any
     timings: list[PhaseRecord] = field(default_factory=list)
+    breakdown: MemoryBreakdown | None = None
 
 
 @dataclass(frozen=True)
 class Run:
-    """The outcome of :func:`mgtutor.launch`: one :class:`RankResult` per rank, in rank order.
+    """What :func:`mgtutor.launch` or a pool's call returns: a :class:`RankResult` per rank.
+
+    The ranks are in rank order: every rank for a launch, the ranks a call ran on for
+    :meth:`mgtutor.Pool.run` with ``ranks=``.
 
     Attributes:
         world_size: number of ranks.

@@ -244,9 +244,15 @@ def step(samples: int | None = None) -> Any:
     return timer().step(samples)
 
 
-def collect_records() -> list[PhaseRecord]:
-    """Every record of every timer made in this process (the launch sends them to the parent)."""
+def collect_records(clear: bool = False) -> list[PhaseRecord]:
+    """Every record of every timer made in this process (the launch sends them to the parent).
+
+    Args:
+        clear: forget the records once collected, so a pool's next call starts with none.
+    """
     out: list[PhaseRecord] = []
     for t in _registry:
         out.extend(t.records())
+        if clear:
+            t._pending.clear()
     return out

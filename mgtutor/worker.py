@@ -1,4 +1,4 @@
-"""The worker's side of a launch: the environment contract, ``setup()``, and teardown.
+"""What a training function calls inside a rank: the environment contract, ``setup()``, teardown.
 
 A worker learns who it is from environment variables, the contract torchrun defines:
 ``RANK`` (its index among all workers), ``LOCAL_RANK`` (its index on this machine),
@@ -7,28 +7,18 @@ store listens). :func:`mgtutor.launch` sets them for each worker it starts; torc
 too; under SLURM's ``srun``, :func:`setup` reads ``SLURM_PROCID``, ``SLURM_LOCALID`` and
 ``SLURM_NTASKS`` instead. So one training function runs unchanged in all three.
 
-This module must stay cheap to import: every spawned worker imports it before anything else,
-so torch is imported only inside the functions that need it.
+This module must stay cheap to import: every rank imports it before anything else, so torch is
+imported only inside the functions that need it. How a rank process itself starts and runs the
+notebook's calls is in :mod:`mgtutor._rank`.
 """
 
 from __future__ import annotations
 
-import atexit
-import faulthandler
-import linecache
 import os
-import pickle
-import signal
 import sys
-import threading
-import time
-import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
-
-from mgtutor import _channel
 
 if TYPE_CHECKING:
     import torch
@@ -301,201 +291,3 @@ def current_device() -> str:
 def current_backend() -> str | None:
     """Name the backend of this rank's process group, if :func:`setup` made one."""
     return _state["backend"]
-
-
-# --- the child's entry point, started by mgtutor.launch -----------------------------------
-
-
-@dataclass
-class WorkerSpec:
-    """What the parent hands one worker process (pickled by multiprocessing's spawn)."""
-
-    env: dict[str, str | None]  # None: remove the variable in the rank
-    payload: bytes
-    conn: Connection
-    stdout: Connection
-    stderr: Connection
-    diag: Connection
-    sources: dict[str, list[str]]
-    # The notebook's os.environ, working directory and sys.path at launch: a forkserver rank
-    # would otherwise have the server's, from when the server started.
-    environ: dict[str, str] | None = None
-    cwd: str | None = None
-    sys_path: list[str] | None = None
-    start_method: str = "spawn"
-
-
-_keep_alive: list[Any] = []
-
-
-def _redirect_output(stdout: Connection, stderr: Connection) -> None:
-    # At the descriptor level, so C++ warnings, NCCL logs and subprocesses are relayed too.
-    os.dup2(stdout.fileno(), 1)
-    os.dup2(stderr.fileno(), 2)
-    stdout.close()
-    stderr.close()
-    sys.stdout = sys.__stdout__ = open(  # noqa: SIM115 - lives as long as the process
-        1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
-    )
-    sys.stderr = sys.__stderr__ = open(  # noqa: SIM115
-        2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
-    )
-
-
-def _watch_parent(conn: Connection) -> None:
-    # The parent never writes here; end-of-file means it died (a kernel restart, kill -9).
-    # Take this rank and its own children down rather than leave orphans holding GPU memory.
-    try:
-        while True:
-            conn.recv()
-    except (EOFError, OSError):
-        pass
-    os.killpg(0, signal.SIGKILL)
-
-
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-
-
-def _report_failure(exc: BaseException, context: str) -> None:
-    tb = exc.__traceback__.tb_next if exc.__traceback__ else None
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
-    try:
-        import cloudpickle
-
-        original: bytes | None = cloudpickle.dumps(exc)
-    except Exception:
-        original = None
-    exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
-    _channel.send("error", exc_type, str(exc), text, original, context, time.perf_counter())
-    _flush()
-    os._exit(1)
-
-
-def _children() -> list[tuple[int, float]]:
-    """This rank's live descendants (pid, start time), so the parent can end what fn left.
-
-    Taken while the rank still lives: once it exits, a child that made its own session can no
-    longer be found from the parent.
-    """
-    try:
-        import psutil
-
-        return [(p.pid, p.create_time()) for p in psutil.Process().children(recursive=True)]
-    except Exception:
-        return []
-
-
-def _dumps_on_cpu(result: Any) -> bytes:
-    """Pickle fn's result with every tensor moved to the CPU.
-
-    A CUDA tensor pickled as it is would be rebuilt on ``cuda:r`` in the notebook, which
-    initializes CUDA in the kernel (or fails on a machine without that GPU).
-    """
-    import io
-
-    import cloudpickle
-
-    torch = sys.modules.get("torch")
-
-    class _CpuPickler(cloudpickle.Pickler):
-        def reducer_override(self, obj: Any) -> Any:
-            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-                return obj.detach().cpu().__reduce_ex__(self.proto)
-            return super().reducer_override(obj)
-
-    buffer = io.BytesIO()
-    _CpuPickler(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(result)
-    return buffer.getvalue()
-
-
-def _apply_launch_context(spec: WorkerSpec) -> None:
-    """Give this rank the notebook's environment, folder and import path, then the rank's own."""
-    if spec.environ is not None:
-        os.environ.clear()
-        os.environ.update(spec.environ)
-    for name, value in spec.env.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    if spec.cwd is not None:
-        try:
-            os.chdir(spec.cwd)
-        except OSError:
-            pass  # the notebook's folder was removed; stay where the server is
-    if spec.sys_path is not None:
-        sys.path[:] = spec.sys_path
-    torch = sys.modules.get("torch")
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if torch is not None and threads.isdigit() and int(threads) > 0:
-        # torch read OMP_NUM_THREADS when the forkserver imported it, maybe before the
-        # notebook set it: apply the notebook's value now.
-        torch.set_num_threads(int(threads))
-
-
-def _worker_entry(rank: int, spec: WorkerSpec) -> None:
-    """Run one rank: wire up output and the parent channel, call fn, send back its result."""
-    os.setpgrp()  # one process group per rank, so cleanup reaches the rank's own children
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent handles Ctrl+C and stops us
-    _redirect_output(spec.stdout, spec.stderr)
-    faulthandler.register(signal.SIGUSR1, file=spec.diag.fileno(), all_threads=True)
-    _keep_alive.append(spec.diag)
-    _apply_launch_context(spec)
-    _channel.attach(spec.conn)
-    threading.Thread(target=_watch_parent, args=(spec.conn,), daemon=True).start()
-    _channel.send("hello", os.getpid(), threading.main_thread().ident)
-    for filename, lines in spec.sources.items():
-        # Cells have no file on disk; with their text here, tracebacks show the failing line.
-        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-
-    from mgtutor import memory, timing
-
-    try:
-        import cloudpickle
-
-        fn, args, kwargs = cloudpickle.loads(spec.payload)
-    except BaseException as exc:
-        _report_failure(exc, "could not unpack the function and its arguments in the worker")
-    rss_start = memory.current_rss()
-    peak_was_reset = memory.reset_peak_rss()
-    memory.reset_cuda_peaks()
-    started = time.perf_counter()
-    _channel.send("started")
-    try:
-        result = fn(*args, **kwargs)
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            _report_failure(exc, "called sys.exit with a failure code")
-        result = None
-    except BaseException as exc:
-        _report_failure(exc, "raised")
-    finished = time.perf_counter()
-    try:
-        record = {
-            "pid": os.getpid(),
-            "device": current_device(),
-            "backend": current_backend(),
-            "started": started,
-            "finished": finished,
-            "memory": memory.measure(current_device(), rss_start, peak_was_reset),
-            "timings": timing.collect_records(),
-            "children": _children(),
-        }
-        teardown()
-        blob = _dumps_on_cpu(result)
-    except BaseException as exc:
-        _report_failure(exc, "finished, but its result could not be sent back")
-    _channel.send("done", blob, record)
-    _flush()
-    if spec.start_method == "forkserver":
-        # A forkserver child ends with os._exit, which skips atexit handlers; a spawned one
-        # runs them. Run them here so fn's atexit code behaves the same with both.
-        try:
-            atexit._run_exitfuncs()
-        finally:
-            _flush()

@@ -86,7 +86,7 @@ def test_timeout_does_not_count_start_up_and_start_timeout_limits_it() -> None:
 
     with pytest.raises(mgtutor.WorkerTimeout, match="after start_timeout=2 s") as info:
         mgtutor.launch(lambda arg: "ran", SlowToUnpickle(30), world_size=2, start_timeout=2)
-    assert "cloudpickle.loads(spec.payload)" in info.value.stacks[0]
+    assert "cloudpickle.loads(call.payload)" in info.value.stacks[0]
     assert "pass a larger start_timeout" in str(info.value)
 
 

@@ -221,14 +221,14 @@ def test_tracebacks_show_the_newest_cells_first(monkeypatch) -> None:
     import importlib
     import linecache
 
-    launch_module = importlib.import_module("mgtutor.launch")  # the module, not the function
+    launch_module = importlib.import_module("mgtutor._send")
 
     monkeypatch.setattr(launch_module, "_MAX_SOURCE_BYTES", 10_000)
     monkeypatch.setattr(linecache, "cache", dict(linecache.cache))
     for i in range(20):  # an old session's cells, more than the limit holds
         linecache.cache[f"<old cell {i}>"] = (1000, None, ["x" * 999 + "\n"], f"<old cell {i}>")
     linecache.cache["<newest cell>"] = (9, None, ["y = 1\n"], "<newest cell>")
-    sources = launch_module._cell_sources()
+    sources = launch_module.cell_sources()
     assert "<newest cell>" in sources
     assert "<old cell 19>" in sources and "<old cell 0>" not in sources
     assert sum(len(line) for lines in sources.values() for line in lines) <= 10_000

@@ -1,0 +1,268 @@
+"""Starting rank processes: the rendezvous store, each rank's environment, the start method.
+
+Ranks start with the *forkserver* start method by default: a server process imports torch once
+and forks each rank from it, so only the first start in a session pays for the import; *spawn*
+(a fresh interpreter per rank) is offered too. Never plain fork: a forked rank would inherit the
+notebook's CUDA state. The notebook's process hosts the rendezvous store on a fresh port of
+127.0.0.1, as torchrun's agent does for its workers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from mgtutor._messages import Context
+from mgtutor._rank import RankSpec, rank_main
+from mgtutor._relay import RankOutput
+from mgtutor._supervise import RankHandle
+from mgtutor.worker import BACKENDS
+
+START_METHODS = ("forkserver", "spawn")
+DEFAULT_START_METHOD = "forkserver"
+# What the forkserver imports once, so that ranks forked from it need not. torch._dynamo is
+# here because DDP's constructor imports it: about 2.4 s per rank on a quiet 2-core machine,
+# paid by every launch that builds a DDP model. Importing it starts no thread and asks no CUDA
+# question (checked on CPU); tests/test_gpu.py checks on GPUs that the server never loads libcuda.
+_FORKSERVER_PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "cloudpickle",
+    "psutil",
+    "mgtutor.worker",
+    "mgtutor._rank",
+    "mgtutor.doctor",
+    "mgtutor.memory",
+    "mgtutor.timing",
+)
+
+
+# Variables a launcher of the notebook's own process may have left in os.environ that would
+# send this launch's ranks to the wrong rendezvous (torchrun's agent store, a SLURM job's).
+_INHERITED_RENDEZVOUS = (
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+)
+
+
+def check_arguments(
+    world_size: Any,
+    backend: Any,
+    timeout: Any,
+    start_timeout: Any,
+    start_method: Any = None,
+) -> None:
+    """Refuse bad arguments before any process starts, saying what to pass instead."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"world_size must be a whole number, got {world_size!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1 (one worker per rank), got {world_size}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(
+            f"backend must be one of {BACKENDS} or None (choose for me), got {backend!r}"
+        )
+    for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
+        ):
+            raise ValueError(
+                f"{name} must be a positive number of seconds or None (no limit), got {value!r}"
+            )
+    if start_method is not None and start_method not in START_METHODS:
+        raise ValueError(
+            f"start_method must be one of {START_METHODS} (or None for "
+            f"{DEFAULT_START_METHOD!r}), got {start_method!r}. 'fork' is not offered: a forked "
+            f"rank inherits the notebook's CUDA state and fails once CUDA was used there."
+        )
+    if backend == "nccl":
+        import torch
+        import torch.distributed as dist
+
+        # device_count() asks NVML and leaves CUDA uninitialized in the notebook's process
+        # (is_available() would initialize it, which breaks fork-based tools used later).
+        gpus = torch.cuda.device_count()
+        if gpus < world_size or not dist.is_nccl_available():
+            why = (
+                "this torch has no NCCL"
+                if not dist.is_nccl_available()
+                else f"CUDA sees {gpus} GPU(s)"
+            )
+            raise ValueError(
+                f"backend='nccl' needs one GPU per rank: world_size={world_size}, but {why}. "
+                f"Use backend='gloo' (or None to choose automatically), or world_size<={gpus}."
+            )
+
+
+_classic_store_needed = False
+
+
+def host_store(world_size: int) -> Any:
+    """Host the rendezvous store in this process, listening on 127.0.0.1 only.
+
+    A store that rank 0 hosts (plain ``env://``) listens on every interface, and a port chosen
+    in advance may be taken by the time rank 0 binds it. Here the socket is bound to a free
+    port of the loopback address first and handed to the store, as torchrun's agent does.
+    torch's libuv store takes such a socket only in newer versions; older ones need the
+    classic store implementation for it.
+    """
+    global _classic_store_needed
+    import torch.distributed as dist
+
+    def listening_socket() -> socket.socket:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(128)
+        return listener
+
+    options: dict[str, Any] = {
+        "world_size": world_size,
+        "is_master": True,
+        "wait_for_workers": False,
+        "timeout": datetime.timedelta(seconds=300),
+    }
+
+    def store_on_a_new_socket(**implementation: Any) -> Any:
+        listener = listening_socket()
+        port = listener.getsockname()[1]
+        fd = listener.detach()  # the store owns it from here
+        try:
+            return dist.TCPStore(
+                "127.0.0.1", port, master_listen_fd=fd, **options, **implementation
+            )
+        except BaseException:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            raise
+
+    if not _classic_store_needed:
+        try:
+            return store_on_a_new_socket()
+        except (NotImplementedError, RuntimeError) as exc:
+            if "listen fd" not in str(exc) and "libuv" not in str(exc):
+                raise
+        _classic_store_needed = True  # ask once per session (the refusal also prints a log line)
+    return store_on_a_new_socket(use_libuv=False)
+
+
+def _loopback_interface() -> str | None:
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addrs):
+            return name
+    return None
+
+
+@contextlib.contextmanager
+def main_not_reimported() -> Iterator[None]:
+    """Keep spawn from re-running a script's top level in every worker.
+
+    Spawn normally re-imports the parent's ``__main__`` in each child so that functions defined
+    there can be found by name; an unguarded ``launch(...)`` at a script's top level would then
+    launch again in every worker. fn travels by value here, so the children need nothing from
+    ``__main__``: hide its file and spec while the processes start, and restore them after.
+    """
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if main and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__dict__["__spec__"] = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
+
+
+def in_worker_bootstrap() -> bool:
+    import multiprocessing
+
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
+
+
+def worker_environment(world_size: int, backend: str | None, port: int) -> dict[str, str | None]:
+    """The variables every rank of one launch gets; None removes a variable in the rank."""
+    common: dict[str, str | None] = dict.fromkeys(_INHERITED_RENDEZVOUS)
+    common.update(
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        # What torchrun's agent tells its workers: the store at MASTER_ADDR:MASTER_PORT is
+        # hosted for you, join it as a client (env:// reads this; so does a plain
+        # init_process_group). torch 2.4 also reads the restart count on that path.
+        TORCHELASTIC_USE_AGENT_STORE="True",
+        TORCHELASTIC_RESTART_COUNT="0",
+        MGTUTOR_BACKEND=backend,
+    )
+    loopback = _loopback_interface()
+    if loopback:
+        # One machine: keep gloo's and NCCL's own sockets on loopback too.
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if name not in os.environ:
+                common[name] = loopback
+    return common
+
+
+def start_rank(
+    ctx: Any,
+    rank: int,
+    common: dict[str, str | None],
+    context: Context,
+    *,
+    join_group: bool,
+    one_call: bool,
+    backend: str | None,
+) -> RankHandle:
+    """Start one rank process and return the notebook's handle on it."""
+    parent_conn, child_conn = ctx.Pipe(duplex=True)
+    pipes = {name: ctx.Pipe(duplex=False) for name in ("stdout", "stderr", "diag")}
+    spec = RankSpec(
+        rank=rank,
+        env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+        context=context,
+        conn=child_conn,
+        stdout=pipes["stdout"][1],
+        stderr=pipes["stderr"][1],
+        diag=pipes["diag"][1],
+        start_method=ctx.get_start_method(),
+        join_group=join_group,
+        backend=backend,
+        one_call=one_call,
+    )
+    process = ctx.Process(target=rank_main, args=(spec,), name=f"mgtutor-rank-{rank}", daemon=False)
+    output = RankOutput(rank, {k: r for k, (r, _) in pipes.items()})
+    handle = RankHandle(rank, process, parent_conn, output)
+    try:
+        process.start()
+    finally:
+        # The child holds its own copies now; ours must close or the pipes never reach EOF.
+        child_conn.close()
+        for _, writer in pipes.values():
+            writer.close()
+    return handle
+
+
+def context_for(method: str) -> Any:
+    """The multiprocessing context that starts ranks with ``method``, its server preloaded."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # Takes effect when the server starts (the first forkserver start in this process, or
+        # the first after the server died): it imports these once; every rank is forked from
+        # it. __main__ is left out on purpose: a notebook has no file, a script must not re-run.
+        ctx.set_forkserver_preload(list(_FORKSERVER_PRELOAD))
+    return ctx

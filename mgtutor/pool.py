@@ -1,0 +1,361 @@
+"""Ranks that stay alive between cells: build a DDP model in one cell, step it in the next.
+
+A :class:`Pool` starts ``world_size`` rank processes once, has them join the process group
+once, and keeps them. Each :meth:`Pool.run` sends a function to every rank (or some) and returns
+the same :class:`mgtutor.Run` as :func:`mgtutor.launch`: results, relayed output, timing and
+memory. What a call leaves in a rank's global namespace is there for the next call::
+
+    pool = mgtutor.Pool(world_size=2)
+
+    def build():
+        global model, opt
+        model = DDP(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    pool.run(build)
+    pool.run(lambda: model.module.weight.sum().item()).results   # the same on both ranks
+    pool.close()
+
+:func:`mgtutor.launch` is a pool that runs one call and closes, so the two relay output,
+report faults and clean up in the same way. In a notebook, ``%load_ext mgtutor`` adds the
+``%%ddp`` cell magic on top of a pool (:mod:`mgtutor.magic`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mgtutor import _processes, _send
+from mgtutor._messages import Call, Exit
+from mgtutor._supervise import RankHandle, Supervisor
+from mgtutor.doctor import DUMP_PATH_ENV
+from mgtutor.errors import WorkerError
+from mgtutor.progress import ProgressBoard
+from mgtutor.run import RankResult, Run
+from mgtutor.timing import PhaseRecord
+
+__all__ = ["Pool"]
+
+_POOL_NOTE = (
+    "The pool's ranks were stopped; its next call starts new ones (what they held is lost)."
+)
+
+
+class Pool:
+    """``world_size`` ranks started once and kept, each with its own namespace.
+
+    Args:
+        world_size: number of ranks.
+        backend: "gloo" or "nccl"; None picks NCCL with one GPU per rank, else gloo.
+        start_timeout: seconds the ranks may take to start and join the process group, and
+            each call to unpickle fn; None means no limit.
+        start_method: "forkserver" (the default) or "spawn", as for :func:`mgtutor.launch`.
+        join_group: join the default process group once at the start (the default); False
+            leaves it to the functions run, as :func:`mgtutor.launch` does.
+
+    Raises:
+        ValueError, TypeError: bad arguments (nothing started).
+        WorkerError, WorkerTimeout: a rank could not start or join the group (nothing left
+            running).
+
+    Example:
+        >>> with mgtutor.Pool(world_size=2) as pool:
+        ...     pool.push(x=3)
+        ...     pool.run(lambda: x * (dist.get_rank() + 1)).results
+        [3, 6]
+    """
+
+    def __init__(
+        self,
+        world_size: int = 2,
+        backend: str | None = None,
+        *,
+        start_timeout: float | None = 300.0,
+        start_method: str | None = None,
+        join_group: bool = True,
+        _one_call: bool = False,
+    ) -> None:
+        if _processes.in_worker_bootstrap():
+            raise RuntimeError(
+                "mgtutor started ranks while a rank process was starting up. Put the code that "
+                'launches under `if __name__ == "__main__":` in your script.'
+            )
+        _processes.check_arguments(world_size, backend, None, start_timeout, start_method)
+        self.world_size = world_size
+        self.backend = backend
+        self.start_timeout = start_timeout
+        self.start_method = start_method or _processes.DEFAULT_START_METHOD
+        self.join_group = join_group
+        self._one_call = _one_call
+        self._calls = 0
+        self._supervisor: Supervisor | None = None
+        self._store: Any = None
+        self.closed = False
+        self.started_at = 0.0
+        # Where each relayed line also goes during a call (``sink(rank, stream, text)``):
+        # %%ddp's per-rank tabs.
+        self._sink: Callable[[int, str, str], None] | None = None
+        self._start()
+
+    # --- starting and stopping --------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._store = _processes.host_store(self.world_size)
+        common = _processes.worker_environment(self.world_size, self.backend, self._store.port)
+        ctx = _processes.context_for(self.start_method)
+        supervisor = Supervisor("" if self._one_call else _POOL_NOTE)
+        self._supervisor = supervisor
+        # Where each rank's doctor answers with its record of collectives (mgtutor.doctor).
+        self._dump_dir = tempfile.mkdtemp(prefix="mgtutor-fr-")
+        supervisor.dump_paths = {
+            r: os.path.join(self._dump_dir, f"rank{r}.pkl") for r in range(self.world_size)
+        }
+        self.started_at = time.perf_counter()
+        context = _send.context_now()
+        # What the ranks already have: a call sends only what changed (cheaper round trips).
+        self._context_sent = context
+        self._sources_sent: set[str] = set()
+        try:
+            with _processes.main_not_reimported():
+                for rank in range(self.world_size):
+                    handle = _processes.start_rank(
+                        ctx,
+                        rank,
+                        {**common, DUMP_PATH_ENV: supervisor.dump_paths[rank]},
+                        context,
+                        join_group=self.join_group,
+                        one_call=self._one_call,
+                        backend=self.backend,
+                    )
+                    supervisor.add(handle)
+            if not self._one_call:
+                supervisor.wait_ready(self.start_timeout)
+        except BaseException:
+            self._shutdown()
+            raise
+
+    def _shutdown(self) -> None:
+        if self._supervisor is not None:
+            try:
+                self._supervisor.close(Exit())
+            finally:
+                self._supervisor = None
+                self._store = None
+                shutil.rmtree(self._dump_dir, ignore_errors=True)
+
+    def close(self) -> None:
+        """End every rank (each leaves the process group first) and free the store's port.
+
+        A rank that does not exit when asked is stopped after a few seconds, and the notebook
+        says so. Calling close twice is harmless.
+        """
+        self.closed = True
+        self._shutdown()
+
+    def restart(self) -> None:
+        """Stop every rank and start new ones (what the ranks held is lost)."""
+        self._shutdown()
+        self.closed = False
+        self._start()
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("running" if self.alive else "stopped")
+        return (
+            f"Pool(world_size={self.world_size}, backend={self.backend!r}, "
+            f"start_method={self.start_method!r}, {state}, calls={self._calls})"
+        )
+
+    @property
+    def alive(self) -> bool:
+        """True while every rank runs (False after a fault stopped them, or after close)."""
+        return self._supervisor is not None and self._supervisor.alive()
+
+    # --- calls ------------------------------------------------------------------------------
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> Run:
+        """Run ``fn(*args, **kwargs)`` on every rank (or on ``ranks``) and wait for all.
+
+        fn may be defined in a cell, a closure or a lambda. It runs with the rank's own global
+        namespace: names it assigns with ``global`` stay for the next call, and the notebook
+        values it uses are copied in at each call (the notebook's value wins for a name the
+        notebook defines too).
+
+        Args:
+            fn: the work of one rank.
+            *args: positional arguments for fn (each rank gets its own copy).
+            timeout: seconds fn may run once every rank started it; None is no limit. Past
+                it, :class:`mgtutor.WorkerTimeout` shows each rank's stack and the pool's ranks
+                are stopped (the next call starts new ones).
+            ranks: run on these ranks only. A collective needs every rank of the group: if
+                only some ranks enter one, they wait until ``timeout`` (then the pool restarts).
+            **kwargs: keyword arguments for fn (``timeout`` and ``ranks`` are taken by run).
+
+        Returns:
+            A :class:`mgtutor.Run` with one result per rank it ran on, in rank order.
+
+        Raises:
+            WorkerError: a rank raised (the pool is kept when the other ranks finished the
+                call, and stopped when they did not), or died (the pool is stopped).
+            WorkerTimeout: ``timeout`` passed; the pool's ranks were stopped.
+            KeyboardInterrupt: the cell was interrupted; fn is interrupted on every rank and
+                the pool kept, or the ranks stopped when they could not be interrupted.
+        """
+        if not callable(fn):
+            raise TypeError(f"Pool.run needs a function to run on every rank, got {fn!r}")
+        _processes.check_arguments(self.world_size, self.backend, timeout, self.start_timeout)
+        targets = self._targets(ranks)
+        return self._call(_send.pickle_payload(fn, args, kwargs), targets, timeout)
+
+    def _call(self, payload: bytes, targets: list[int], timeout: float | None) -> Run:
+        """Send one pickled call to ``targets``, wait for their answers, build the Run."""
+        if self.closed:
+            raise RuntimeError("this pool is closed; make a new one, or call pool.restart()")
+        if not self._one_call and not self.alive:
+            self._restart_after_fault()
+        supervisor = self._supervisor
+        assert supervisor is not None
+        handles = [supervisor.handles[r] for r in targets]
+        self._calls += 1
+        sources = {
+            name: lines
+            for name, lines in _send.cell_sources().items()
+            if name not in self._sources_sent
+        }
+        self._sources_sent.update(sources)
+        context = _send.context_now()
+        changed = context != self._context_sent
+        self._context_sent = context
+        call = Call(
+            self._calls,
+            payload,
+            sources,
+            context if changed else None,
+            in_namespace=not self._one_call,
+        )
+        started = self.started_at if self._one_call else time.perf_counter()
+        for h in handles:
+            h.begin(call.call)
+            h.output.sink = self._sink
+            if not supervisor.send(h, call):
+                h.failed_at = time.perf_counter()  # its pipe closed: the process has gone
+        board = ProgressBoard(self.world_size)
+        supervisor.run_call(
+            call.call, handles, board, timeout, self.start_timeout, keep=not self._one_call
+        )
+        return _build_run(handles, self.world_size, started, time.perf_counter())
+
+    def _targets(self, ranks: Sequence[int] | None) -> list[int]:
+        if ranks is None:
+            return list(range(self.world_size))
+        chosen = sorted({ranks} if isinstance(ranks, int) else set(ranks))
+        wrong = [r for r in chosen if not isinstance(r, int) or not 0 <= r < self.world_size]
+        if wrong or not chosen:
+            raise ValueError(
+                f"ranks must name ranks of this pool (0..{self.world_size - 1}), got {ranks!r}"
+            )
+        return chosen
+
+    def _restart_after_fault(self) -> None:
+        print(
+            "mgtutor: the pool's ranks had been stopped (see the last error); starting new "
+            "ones. What the old ranks held (models, optimizers, names) is gone.",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._shutdown()
+        self._start()
+
+    def push(self, ranks: Sequence[int] | None = None, **values: Any) -> None:
+        """Set names in each rank's namespace: ``pool.push(lr=0.1)``.
+
+        Args:
+            ranks: only these ranks (default: all).
+            **values: name=value pairs; each rank gets its own copy.
+        """
+        if not values:
+            raise ValueError("push needs name=value pairs, e.g. pool.push(lr=0.1)")
+        self.run(_set_names, values, ranks=ranks)
+
+    def pull(self, name: str, ranks: Sequence[int] | None = None) -> list[Any]:
+        """Each rank's value of ``name`` (from its namespace), in rank order.
+
+        Raises:
+            WorkerError: a rank has no such name (the pool is kept).
+        """
+        return self.run(_get_name, name, ranks=ranks).results
+
+
+def _set_names(values: dict[str, Any]) -> None:
+    from mgtutor._rank import namespace
+
+    namespace().update(values)
+
+
+def _get_name(name: str) -> Any:
+    from mgtutor._rank import namespace
+
+    space = namespace()
+    if name not in space:
+        known = sorted(k for k in space if not k.startswith("__"))
+        raise NameError(f"this rank has no name {name!r}; it has: {', '.join(known) or 'none'}")
+    return space[name]
+
+
+def _build_run(handles: list[RankHandle], world_size: int, started: float, finished: float) -> Run:
+    import cloudpickle
+
+    ranks = []
+    for h in handles:
+        assert h.done is not None
+        record = h.done.record
+        try:
+            result = cloudpickle.loads(h.done.result)
+        except Exception as exc:
+            raise WorkerError(
+                f"rank {h.rank} finished, but the notebook could not unpickle its result: {exc}. "
+                f"Return plain values (numbers, lists, dicts, tensors) from fn.",
+                rank=h.rank,
+            ) from exc
+        timings = [
+            PhaseRecord(p.name, p.step, p.start - started, p.end - started, p.samples, p.nbytes)
+            for p in record["timings"]
+        ]
+        ranks.append(
+            RankResult(
+                rank=h.rank,
+                pid=record["pid"],
+                device=record["device"],
+                backend=record["backend"],
+                wall_time_s=record["finished"] - record["started"],
+                memory=record["memory"],
+                result=result,
+                timings=timings,
+                breakdown=record.get("breakdown"),
+            )
+        )
+    return Run(world_size=world_size, ranks=ranks, wall_time_s=finished - started)
+
+
+def with_wall_time(run: Run, wall_time_s: float) -> Run:
+    """The same run with another wall time (a launch counts its start and exit too)."""
+    return dataclasses.replace(run, wall_time_s=wall_time_s)

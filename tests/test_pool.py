@@ -1,0 +1,215 @@
+"""mgtutor.Pool and %%ddp: ranks kept alive between calls, and what happens when calls fail."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import psutil
+import pytest
+
+import mgtutor
+import mgtutor.magic
+from tests.helpers import worker_children
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with mgtutor.Pool(world_size=2) as p:
+        yield p
+    assert not worker_children()
+
+
+def test_state_push_pull_subsets_and_the_run_it_returns(pool, capsys) -> None:
+    import torch.distributed as dist
+
+    def build(scale):
+        global weights, calls
+        import torch
+
+        weights = torch.full((3,), float(dist.get_rank() + 1)) * scale
+        calls = 1
+        print("built on", dist.get_rank())
+
+    run = pool.run(build, 2.0)
+    assert isinstance(run, mgtutor.Run) and run.results == [None, None]
+    assert run.backend == "gloo" and run.ranks[1].memory.peak_rss > 0
+    out = capsys.readouterr().out
+    assert "[rank 0] built on 0" in out and "[rank 1] built on 1" in out
+
+    def step():
+        global calls
+        calls += 1  # a name the previous call left
+        dist.all_reduce(weights)
+        return weights.tolist(), calls
+
+    assert pool.run(step).results == [([6.0] * 3, 2), ([6.0] * 3, 2)]
+    pool.push(lr=0.5)
+    pool.push(ranks=[1], lr=0.25)
+    assert pool.pull("lr") == [0.5, 0.25]
+    assert pool.run(lambda: dist.get_rank(), ranks=[1]).results == [1]
+    with pytest.raises(mgtutor.WorkerError, match="has no name 'missing'"):
+        pool.pull("missing")
+    with pytest.raises(ValueError, match=r"ranks must name ranks of this pool \(0..1\)"):
+        pool.run(lambda: None, ranks=[2])
+    assert pool.alive
+
+
+def test_an_error_keeps_the_pool_when_the_others_finish(pool) -> None:
+    import torch.distributed as dist
+
+    pool.push(kept="still here")
+
+    def fails_on_one():
+        if dist.get_rank() == 1:
+            raise ValueError("bad batch on rank 1")
+        return "fine"
+
+    with pytest.raises(mgtutor.WorkerError, match="rank 1 raised ValueError") as info:
+        pool.run(fails_on_one)
+    assert "rank(s) 0 finished the call" in str(info.value).lower()
+    assert "ranks are kept" in str(info.value)
+    assert pool.alive and pool.pull("kept") == ["still here"] * 2
+
+
+def test_an_error_while_the_peer_waits_in_a_collective_restarts_the_pool(pool, capsys) -> None:
+    import torch.distributed as dist
+
+    pool.push(kept=1)
+    pids = [p for p in pool.run(os.getpid).results]
+
+    def peer_waits():
+        import torch
+
+        if dist.get_rank() == 0:
+            raise RuntimeError("rank 0 gives up before the all_reduce")
+        dist.all_reduce(torch.ones(1))
+
+    started = time.monotonic()
+    with pytest.raises(mgtutor.WorkerError, match="rank 0 raised RuntimeError") as info:
+        pool.run(peer_waits)
+    assert time.monotonic() - started < 30
+    text = str(info.value)
+    assert "Rank(s) 1 had not finished" in text and "all_reduce" in text
+    assert "pool's ranks were stopped" in text
+    assert not pool.alive and not any(psutil.pid_exists(p) for p in pids)
+    # The next call starts new ranks and says so; their namespace is new.
+    with pytest.raises(mgtutor.WorkerError, match="has no name 'kept'"):
+        pool.pull("kept")
+    assert "starting new ones" in capsys.readouterr().err
+    assert pool.alive and pool.run(os.getpid).results != pids
+
+
+def test_a_killed_rank_and_a_timeout_stop_the_pool_and_the_next_call_restarts(pool) -> None:
+    def die():
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+
+    with pytest.raises(mgtutor.WorkerError, match="rank 1 was killed by signal SIGKILL"):
+        pool.run(die)
+    assert not pool.alive
+    with pytest.raises(mgtutor.WorkerTimeout, match="timeout of 1 s") as info:
+        pool.run(lambda: time.sleep(30), timeout=1)
+    assert "time.sleep(30)" in info.value.stacks[0]
+    assert not pool.alive
+    assert pool.run(lambda: "back").results == ["back", "back"]
+
+
+def test_interrupt_stops_fn_on_every_rank_and_keeps_the_pool(pool, capsys) -> None:
+    pids = pool.run(os.getpid).results
+    timer = threading.Timer(1.5, lambda: signal.raise_signal(signal.SIGINT))
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            pool.run(time.sleep, 60)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    assert "fn stopped on every rank; the pool's ranks are kept" in capsys.readouterr().err
+    assert pool.alive and pool.run(os.getpid).results == pids
+
+
+def test_bad_arguments_are_refused_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        mgtutor.Pool(world_size=0)
+    with pytest.raises(ValueError, match="start_method must be one of"):
+        mgtutor.Pool(start_method="fork")
+    closed = mgtutor.Pool.__new__(mgtutor.Pool)
+    closed.closed = True
+    with pytest.raises(RuntimeError, match="this pool is closed"):
+        closed._call(b"", [0], None)
+
+
+def test_the_ranks_end_when_the_notebook_process_dies(tmp_path) -> None:
+    script = tmp_path / "kernel.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, sys, time
+            import mgtutor
+            if __name__ == "__main__":
+                pool = mgtutor.Pool(world_size=2)
+                print(*pool.run(os.getpid).results, flush=True)
+                time.sleep(120)
+            """
+        )
+    )
+    kernel = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+    )
+    try:
+        pids = [int(p) for p in kernel.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+    finally:
+        kernel.kill()  # as a dying kernel: no cleanup code runs
+        kernel.wait(10)
+    gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], 10)
+    assert not alive
+
+
+def test_ddp_cell_magic_keeps_each_ranks_namespace(capsys) -> None:
+    pytest.importorskip("IPython")
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "mgtutor")
+    try:
+        shell.run_line_magic("ddp_start", "-n 2")
+        shell.run_cell_magic(
+            "ddp", "", "import torch.distributed as dist\nr = dist.get_rank()\nprint('hi', r)"
+        )
+        shell.run_cell_magic("ddp", "--ranks 1", "r * 10")
+        out = capsys.readouterr().out
+        assert "[rank 0] hi 0" in out and "[rank 1] hi 1" in out
+        assert "[rank 1] Out: 10" in out and "[rank 0] Out" not in out
+        assert shell.user_ns["_ddp"].results == ["10"]
+        assert "r" not in shell.user_ns  # the cell ran on the ranks, not in the notebook
+        with pytest.raises(ValueError, match="--ranks takes rank numbers"):
+            shell.run_cell_magic("ddp", "--ranks one", "pass")
+        with pytest.raises(mgtutor.WorkerError, match="NameError"):
+            shell.run_cell_magic("ddp", "", "undefined_name")
+        pids = mgtutor.magic.current_pool().run(os.getpid).results
+    finally:
+        shell.run_line_magic("ddp_stop", "")
+    assert mgtutor.magic.current_pool() is None
+    assert not any(psutil.pid_exists(p) for p in pids)
+
+
+@pytest.mark.gpu
+def test_a_pool_starts_after_cuda_was_used_in_the_notebook() -> None:
+    import torch
+
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a CUDA GPU")
+    torch.zeros(1, device="cuda")  # CUDA initialized in this process
+    with mgtutor.Pool(world_size=2, backend="gloo") as pool:
+        assert pool.run(lambda: torch.cuda.is_available()).results == [True, True]
