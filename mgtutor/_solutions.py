@@ -1,0 +1,98 @@
+"""Reference solutions of the notebooks' exercises, kept out of the notebooks on purpose.
+
+:mod:`mgtutor.exercises` runs a learner's function through its checks; while the learner's cell
+still holds the stub, it runs these instead, to show what passing looks like. Read them after
+your own answer passes, or when you are stuck: each is the plain version a learner could write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["accumulate", "exact_accuracy", "load_snapshot", "ring_average", "save_snapshot"]
+
+
+def ring_average(tensor: torch.Tensor) -> None:
+    """Average ``tensor`` over all ranks, in place, with a ring of point-to-point messages."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    # tensor_split, unlike chunk, always gives `world` pieces (some empty when there are fewer
+    # elements than ranks); views of the flattened tensor, so writing a piece writes the tensor.
+    chunks = list(tensor.view(-1).tensor_split(world))
+    for step in range(world - 1):  # reduce-scatter: chunk (rank + 1) ends up summed here
+        out, into = (rank - step) % world, (rank - step - 1) % world
+        incoming = torch.empty_like(chunks[into])
+        request = dist.isend(chunks[out], dst=right)
+        dist.recv(incoming, src=left)
+        request.wait()
+        chunks[into] += incoming
+    chunks[(rank + 1) % world].div_(world)  # divide once, the chunk this rank completed
+    for step in range(world - 1):  # all-gather: pass the finished chunks around the ring
+        out, into = (rank - step + 1) % world, (rank - step) % world
+        request = dist.isend(chunks[out], dst=right)
+        dist.recv(chunks[into], src=left)
+        request.wait()
+
+
+def exact_accuracy(correct: torch.Tensor, sampler: Any) -> float:
+    """The accuracy over every sample the sampler hands out, each counted once, on every rank."""
+    # The padded order is the shuffled order plus repeats at its end; rank r's i-th index sits
+    # at position r + i * num_replicas of it, so the positions past len(dataset) are repeats.
+    positions = sampler.rank + sampler.num_replicas * torch.arange(len(correct))
+    real = positions < len(sampler.dataset)
+    counts = torch.tensor([float(correct[real].sum()), float(real.sum())], dtype=torch.float64)
+    dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
+
+
+def accumulate(model: Any, optimizer: Any, micro_batches: list, k: int) -> None:
+    """Train through ``micro_batches`` with one optimizer step (and one all-reduce) per k."""
+    for start in range(0, len(micro_batches), k):
+        window = micro_batches[start : start + k]  # the last one may hold fewer than k
+        for i, (x, y) in enumerate(window):
+            last = i == len(window) - 1
+            with contextlib.nullcontext() if last else model.no_sync():  # forward too
+                loss = F.mse_loss(model(x), y) / len(window)
+                loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def save_snapshot(path: str | os.PathLike[str], job: Any) -> None:
+    """Rank 0 saves everything the next step depends on, with every rank's generator state."""
+    from mgtutor.checkpoint import save_checkpoint
+
+    states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(torch.get_rng_state(), states, dst=0)
+    if dist.get_rank() == 0:
+        save_checkpoint(
+            {
+                "model": job.model.module.state_dict(),
+                "optimizer": job.optimizer.state_dict(),
+                "scheduler": job.scheduler.state_dict(),
+                "epoch": job.epoch,
+                "rng": states,
+            },
+            path,
+        )
+    dist.barrier()  # nobody goes on (or loads) before the file is complete
+
+
+def load_snapshot(path: str | os.PathLike[str], job: Any) -> None:
+    """Every rank restores the job from the snapshot, and its own generator state."""
+    from mgtutor.checkpoint import load_checkpoint
+
+    snapshot = load_checkpoint(path)
+    if len(snapshot["rng"]) != dist.get_world_size():
+        raise ValueError("this snapshot was taken with another number of ranks")
+    job.model.module.load_state_dict(snapshot["model"])
+    job.optimizer.load_state_dict(snapshot["optimizer"])
+    job.scheduler.load_state_dict(snapshot["scheduler"])
+    job.epoch = snapshot["epoch"]
+    torch.set_rng_state(snapshot["rng"][dist.get_rank()])
