@@ -245,21 +245,33 @@ def _apply_context(context: Context, own: dict[str, str | None]) -> None:
 def _in_rank_namespace(fn: Any) -> Any:
     """fn rebound to the rank's namespace, with the notebook values it was pickled with added.
 
-    cloudpickle sends a cell's function with the globals it uses, as the notebook had them;
-    here they join the rank's namespace (the notebook's values win for the names it defines),
-    and every other name fn reads or assigns with ``global`` is the rank's, kept between calls.
+    cloudpickle sends a cell's function with the globals it uses, as the notebook had them, in
+    a dict shared by every cell function of the same call; here they join the rank's namespace
+    (the notebook's values win for the names it defines), and every cell function among them
+    is rebound to that namespace too, so a helper fn calls reads the rank's names as fn does.
+    Every other name fn reads, or assigns with ``global``, is the rank's, kept between calls.
     """
     if not isinstance(fn, types.FunctionType):
         return fn
     module = sys.modules.get(fn.__module__ or "")
     if module is not None and fn.__globals__ is getattr(module, "__dict__", None):
         return fn  # a function of an importable module: its module is its namespace
-    _namespace.update((k, v) for k, v in fn.__globals__.items() if k != "__builtins__")
+    sent = fn.__globals__
+    _namespace.update((k, v) for k, v in sent.items() if not k.startswith("__"))
+    for name, value in list(_namespace.items()):
+        if isinstance(value, types.FunctionType) and value.__globals__ is sent:
+            _namespace[name] = _rebound(value)
+    return _rebound(fn)
+
+
+def _rebound(fn: types.FunctionType) -> types.FunctionType:
     rebound = types.FunctionType(
         fn.__code__, _namespace, fn.__name__, fn.__defaults__, fn.__closure__
     )
     rebound.__kwdefaults__ = fn.__kwdefaults__
     rebound.__dict__.update(fn.__dict__)
+    rebound.__qualname__ = fn.__qualname__
+    rebound.__module__ = fn.__module__
     return rebound
 
 
@@ -276,7 +288,7 @@ def _tracked_breakdown() -> Any:
 
 def _run_call(call: Call, spec: RankSpec) -> Done | Failed:
     """Run one call: unpack fn, run it, measure it, pickle what it returned."""
-    from mgtutor import memory, memplan, timing
+    from mgtutor import memory, timing
 
     if call.context is not None:
         _apply_context(call.context, spec.env)
@@ -295,7 +307,6 @@ def _run_call(call: Call, spec: RankSpec) -> Done | Failed:
     peak_was_reset = memory.reset_peak_rss()
     memory.reset_cuda_peaks()
     timing.collect_records(clear=True)  # a pool's earlier calls are not this call's
-    memplan.clear_tracked()
     started = time.perf_counter()
     _channel.send(Started(call.call))
     _in_call.set()

@@ -551,9 +551,10 @@ _tracked: dict[str, Any] = {}
 def track(model: nn.Module, optimizer: Any = None, *, ddp: Any = None) -> None:
     """Name the model and optimizer whose memory this rank's record should break down.
 
-    Call it inside fn once they exist; when fn returns, the worker calls
-    :func:`tracked_breakdown` and the run's memory plot stacks the categories. A later call
-    replaces the earlier one.
+    Call it inside fn once they exist; when fn returns, the rank calls
+    :func:`tracked_breakdown` and the run's memory plot stacks the categories. In a
+    :class:`mgtutor.Pool` the tracking stays for the later calls too. A later ``track`` replaces
+    the earlier one; :func:`clear_tracked` forgets it.
 
     Args:
         model: the module (or its DistributedDataParallel wrapper).
@@ -565,17 +566,13 @@ def track(model: nn.Module, optimizer: Any = None, *, ddp: Any = None) -> None:
 
 
 def clear_tracked() -> None:
-    """Forget what :func:`track` named (the worker calls it before each call of fn)."""
+    """Forget what :func:`track` named."""
     _tracked.clear()
 
 
 def tracked_breakdown() -> MemoryBreakdown | None:
-    """The :func:`breakdown` of what :func:`track` named, or None if nothing was tracked.
-
-    Forgets what was tracked, so the next fn in the same process starts clean.
-    """
+    """The :func:`breakdown` of what :func:`track` named, or None if nothing was tracked."""
     if not _tracked:
         return None
     tracked = dict(_tracked)
-    _tracked.clear()
     return breakdown(tracked["model"], tracked["optimizer"], ddp=tracked["ddp"])

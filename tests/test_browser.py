@@ -65,10 +65,11 @@ SERVER_START_S = 90  # JupyterLab answering /api/status
 PAGE_LOAD_S = 90  # the notebook rendered and its kernel idle
 RUN_ALL_S = 300  # Run All Cells, per notebook (measured 25-150 s on 2 shared cores)
 
-# The notebook run here: per-rank progress bars, a widget board and plots. One is enough to see
-# that they render; every notebook's cells run under nbval, and the controls of 02, 04 and 05
-# are tested in tests/test_interactive.py (02 ran here too until it grew to 80 s).
-BROWSER_NOTEBOOKS = ["00_setup.ipynb"]
+# The notebook run here: per-rank progress bars, a figure and %%ddp's per-rank tabs, in about a
+# third of the time 00_setup took (55-80 s, which ran here until the test command outgrew its
+# budget). One is enough to see that they render; every notebook's cells run under nbval, and
+# the controls of 02, 04 and 05 are tested in tests/test_interactive.py.
+BROWSER_NOTEBOOKS = ["11_live_ranks.ipynb"]
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -288,6 +289,16 @@ STATE_JS = f"""() => {{
 # mgtutor.progress draws, per rank, an HBox [IntProgress(description="rank N"), Label("... (P%)")]
 # ipywidgets 8 renders IntProgress as .widget-hprogress > label.widget-label + .progress >
 # .progress-bar, whose style width is (value - min) / (max - min) as a percentage.
+# %%ddp's tabs: the label of each tab, and the text of the tab shown (rank 0's at first).
+TABS_JS = f"""() => {{
+  const panel = {_PANEL};
+  return Array.from(panel.querySelectorAll('.widget-tab, .jupyter-widget-tab')).map(tab => ({{
+    labels: Array.from(tab.querySelectorAll('.lm-TabBar-tabLabel')).map(e => e.textContent),
+    shown: Array.from(tab.querySelectorAll('.widget-output, .jupyter-widget-output'))
+                .filter(e => e.offsetParent !== null).map(e => e.textContent).join(' '),
+  }}));
+}}"""
+
 PROGRESS_JS = f"""() => {{
   const panel = {_PANEL};
   return Array.from(panel.querySelectorAll('.widget-hprogress, .widget-progress')).map(bar => {{
@@ -518,7 +529,14 @@ def test_notebook_runs_in_jupyterlab(lab: Lab, browser, notebook: str) -> None:
         page.wait_for_timeout(300)
         page.screenshot(path=str(RESULTS / f"{stem}-2-progress.png"))
 
-        # 3. Every figure is visible: decoded (natural size) and laid out (drawn size).
+        # 3. %%ddp cells show each rank's output in a tab of its own.
+        sources = "".join("".join(c["source"]) for c in code_cells)
+        if "%%ddp\n" in sources:
+            tabs = page.evaluate(TABS_JS)
+            assert any({"rank 0", "rank 1"} <= set(t["labels"]) for t in tabs), tabs
+            assert any("before: [1.0, 1.0]" in t["shown"] for t in tabs), tabs
+
+        # 4. Every figure is visible: decoded (natural size) and laid out (drawn size).
         images = page.evaluate(IMAGES_JS)
         pngs_saved = sum(
             "image/png" in o.get("data", {}) for c in code_cells for o in c.get("outputs", [])

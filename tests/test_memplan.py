@@ -55,7 +55,8 @@ def three_strategies() -> dict:
     out["zero_owned"] = [i for i, p in enumerate(params) if any(p is q for q in mine)]
     memplan.track(ddp.module, zero, ddp=ddp)
     out["zero1"] = memplan.tracked_breakdown()
-    out["tracked_again"] = memplan.tracked_breakdown()
+    out["tracked_again"] = memplan.tracked_breakdown()  # kept, for a pool's later calls
+    memplan.clear_tracked()
     model = odd_model()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     fully_shard(model[0], mesh=mesh)
@@ -113,11 +114,11 @@ def test_ddp_buckets_counted_once(measured):
     assert measured[0]["ddp_view_zeros_like_buckets"] == grads
 
 
-def test_tracked_breakdown_travels_back_and_forgets(measured):
+def test_tracked_breakdown_travels_back_and_stays_until_cleared(measured):
     b = measured[1]["zero1"]
     assert isinstance(b, memplan.MemoryBreakdown) and b.device == "cpu"
     assert b.activations is None and b.peak and "SKIPPED" in " ".join(b.notes)
-    assert measured[1]["tracked_again"] is None
+    assert measured[1]["tracked_again"] == b
     assert pickle.loads(pickle.dumps(b)) == b
     assert b.total == sum(categories(b).values()) == b.as_dict()["total"]
 

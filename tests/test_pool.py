@@ -49,6 +49,14 @@ def test_state_push_pull_subsets_and_the_run_it_returns(pool, capsys) -> None:
         return weights.tolist(), calls
 
     assert pool.run(step).results == [([6.0] * 3, 2), ([6.0] * 3, 2)]
+
+    def calls_now():  # a helper the next call uses reads the rank's names too
+        return calls
+
+    def via_helper():
+        return calls_now() * 10
+
+    assert pool.run(via_helper).results == [20, 20]
     pool.push(lr=0.5)
     pool.push(ranks=[1], lr=0.25)
     assert pool.pull("lr") == [0.5, 0.25]
