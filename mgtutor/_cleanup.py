@@ -73,7 +73,11 @@ def stop_all(handles: list[RankHandle], primary: RankHandle | None = None) -> st
         wait([h.process.sentinel for h in alive if h.process.is_alive()], 0.05)
     notes = []
     for h in alive:
-        if h is not primary:
+        if h is primary:
+            continue
+        if h.done is not None:
+            notes.append(f"rank {h.rank} had finished")  # and waited to be told to exit
+        else:
             how = "SIGTERM" if not h.process.is_alive() else "SIGKILL"
             notes.append(f"stopped rank {h.rank} (ended by {how})")
     for h in handles:

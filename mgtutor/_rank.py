@@ -258,16 +258,29 @@ def _in_rank_namespace(fn: Any) -> Any:
         return fn  # a function of an importable module: its module is its namespace
     sent = fn.__globals__
     _namespace.update((k, v) for k, v in sent.items() if not k.startswith("__"))
+    memo: dict[int, Any] = {}
     for name, value in list(_namespace.items()):
         if isinstance(value, types.FunctionType) and value.__globals__ is sent:
-            _namespace[name] = _rebound(value)
-    return _rebound(fn)
+            _namespace[name] = _rebound(value, sent, memo)
+    return _rebound(fn, sent, memo)
 
 
-def _rebound(fn: types.FunctionType) -> types.FunctionType:
-    rebound = types.FunctionType(
-        fn.__code__, _namespace, fn.__name__, fn.__defaults__, fn.__closure__
-    )
+def _rebound(fn: types.FunctionType, sent: dict[str, Any], memo: dict[int, Any]) -> Any:
+    """fn with the rank's namespace as its globals; cell functions in its closure too."""
+    if id(fn) in memo:
+        return memo[id(fn)]
+    cells = None
+    if fn.__closure__ is not None:
+        cells = tuple(types.CellType() for _ in fn.__closure__)
+    rebound = types.FunctionType(fn.__code__, _namespace, fn.__name__, fn.__defaults__, cells)
+    memo[id(fn)] = rebound
+    for old, new in zip(fn.__closure__ or (), cells or ()):
+        try:
+            value = old.cell_contents
+        except ValueError:
+            continue  # an empty cell (a name not yet assigned where fn was made)
+        dynamic = isinstance(value, types.FunctionType) and value.__globals__ is sent
+        new.cell_contents = _rebound(value, sent, memo) if dynamic else value
     rebound.__kwdefaults__ = fn.__kwdefaults__
     rebound.__dict__.update(fn.__dict__)
     rebound.__qualname__ = fn.__qualname__
