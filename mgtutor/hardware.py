@@ -50,8 +50,7 @@ class HardwareInfo:
 
     def backend_for(self, world_size: int) -> str:
         """The backend :func:`mgtutor.setup` picks for ``world_size`` ranks on this machine."""
-        enough = len(self.gpus) >= world_size
-        return "nccl" if enough and self.nccl_available else "gloo"
+        return choose_backend(len(self.gpus), self.nccl_available, world_size)
 
     def device_for(self, world_size: int) -> str:
         """Where each rank computes by default for ``world_size`` ranks on this machine."""
@@ -80,6 +79,16 @@ class HardwareInfo:
 
     def __repr__(self) -> str:
         return "\n".join(self._lines())
+
+
+def choose_backend(gpus: int, nccl_available: bool, local_ranks: int) -> str:
+    """The one rule for the default backend: NCCL with a GPU per local rank, else gloo.
+
+    NCCL refuses two ranks on one GPU, so fewer GPUs than ranks on a machine means gloo.
+    :func:`mgtutor.backend_for` (live, in a rank) and :meth:`HardwareInfo.backend_for` (from a
+    description) both answer with it.
+    """
+    return "nccl" if nccl_available and gpus >= local_ranks else "gloo"
 
 
 def usable_cores() -> int:

@@ -154,8 +154,10 @@ def backend_for(local_world_size: int) -> str:
     import torch
     import torch.distributed as dist
 
-    enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_world_size
-    return "nccl" if enough_gpus and dist.is_nccl_available() else "gloo"
+    from mgtutor.hardware import choose_backend
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return choose_backend(gpus, dist.is_nccl_available(), local_world_size)
 
 
 def _threads_per_rank(contract: WorkerContract) -> int:
