@@ -23,12 +23,14 @@ report faults and clean up in the same way. In a notebook, ``%load_ext mgtutor``
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import shutil
 import sys
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +48,22 @@ __all__ = ["Pool"]
 _POOL_NOTE = (
     "The pool's ranks were stopped; its next call starts new ones (what they held is lost)."
 )
+
+
+# Pools not closed yet. At interpreter exit they are closed before multiprocessing's own exit
+# handler (registered earlier, so it runs later) joins every non-daemon child process: without
+# this, a script or kernel that ends without pool.close() would wait forever for ranks that
+# wait for their next call.
+_open_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_pools() -> None:
+    for pool in list(_open_pools):
+        try:
+            pool.close()
+        except BaseException:
+            pass
 
 
 class Pool:
@@ -103,6 +121,7 @@ class Pool:
         # %%ddp's per-rank tabs.
         self._sink: Callable[[int, str, str], None] | None = None
         self._start()
+        _open_pools.add(self)
 
     # --- starting and stopping --------------------------------------------------------------
 

@@ -221,3 +221,20 @@ def test_a_pool_starts_after_cuda_was_used_in_the_notebook() -> None:
     torch.zeros(1, device="cuda")  # CUDA initialized in this process
     with mgtutor.Pool(world_size=2, backend="gloo") as pool:
         assert pool.run(lambda: torch.cuda.is_available()).results == [True, True]
+
+
+def test_a_script_that_never_closes_its_pool_still_exits(tmp_path) -> None:
+    # multiprocessing joins non-daemon children at exit; mgtutor closes open pools before that.
+    script = tmp_path / "forgets.py"
+    script.write_text(
+        "import os\nimport mgtutor\n"
+        "if __name__ == '__main__':\n"
+        "    pool = mgtutor.Pool(world_size=2)\n"
+        "    print(*pool.run(os.getpid).results, flush=True)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=os.getcwd()
+    )
+    assert done.returncode == 0, done.stderr
+    pids = [int(p) for p in done.stdout.split()]
+    assert len(pids) == 2 and not any(psutil.pid_exists(p) for p in pids)
