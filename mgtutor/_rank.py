@@ -349,7 +349,10 @@ def _run_call(call: Call, spec: RankSpec) -> Done | Failed:
             "children": _children(),
         }
         if spec.one_call:
-            teardown()  # a launch's fn joined the group itself; leave it before answering
+            # A launch's rank answers and exits, as its peers do: its record of collectives goes
+            # with the answer (for the doctor, should a peer hang), then it leaves the group.
+            record["flight_record"] = _own_record()
+            teardown()
         blob = _dumps_on_cpu(result)
     except BaseException as exc:
         return _failure(exc, "finished, but its result could not be sent back", call.call)
@@ -400,6 +403,8 @@ def rank_main(spec: RankSpec) -> None:
         if isinstance(answer, Failed) and spec.one_call:
             _flush()
             os._exit(1)
+        if spec.one_call:
+            break  # a launch runs one call: exit now, with the peers, instead of waiting
     teardown()
     _flush()
     if spec.start_method == "forkserver":

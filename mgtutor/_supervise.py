@@ -265,8 +265,8 @@ class Supervisor:
             h.exitcode = h.process.exitcode
             while h.conn_open and self._poll(h.conn):
                 self._receive(h)
-            if h.failed_at is None and h.exit_asked_at is None:
-                h.failed_at = time.perf_counter()  # it ended without being asked to
+            if h.failed_at is None and h.exit_asked_at is None and h.done is None:
+                h.failed_at = time.perf_counter()  # it ended without answering
 
     @staticmethod
     def _poll(conn: Connection) -> bool:
@@ -297,6 +297,9 @@ class Supervisor:
         for h in self.handles:
             if h.error is not None and h.error.record is not None:
                 records.setdefault(h.rank, h.error.record)
+            sent = h.done.record.get("flight_record") if h.done is not None else None
+            if sent is not None:
+                records.setdefault(h.rank, sent)  # a launch's rank that answered and exited
         traced = {r: rec for r, rec in records.items() if rec.get("trace") is not None}
         no_group = all(not (rec.get("trace") or {}).get("entries") for rec in traced.values())
         if not records or (traced and no_group):
@@ -556,14 +559,16 @@ class Supervisor:
         process still running) is stopped after ``_EXIT_GRACE_S``, and the notebook says so;
         processes the ranks started and left behind are stopped too.
         """
-        alive = [h for h in self.handles if h.process.pid is not None and h.process.is_alive()]
-        if alive and not self.stopped:
+        started = [h for h in self.handles if h.process.pid is not None]
+        if started and not self.stopped:
+            # A launch's ranks exit by themselves after answering; a pool's wait to be told.
             now = time.monotonic()
-            for h in alive:
-                h.exit_asked_at = now
-                self.send(h, exit_message)
+            for h in started:
+                if h.exitcode is None:
+                    h.exit_asked_at = h.exit_asked_at or now
+                    self.send(h, exit_message)
             try:
-                while any(h.exitcode is None for h in alive):
+                while any(h.exitcode is None for h in started):
                     self._pump(_POLL_S)
                     self._reap()
                     self._stop_lingering()
