@@ -14,6 +14,14 @@ from mgtutor import memplan
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication")
 
+# memplan's rules are read from torch 2.14's DDP, ZeroRedundancyOptimizer and FSDP2, for the
+# notebooks' torch. On the 2.4.1 floor a rank that had used ZeroRedundancyOptimizer stayed busy
+# for over 60 s while exiting, in 2 of 2 clean-clone CI runs (not seen on 2.14): not run there.
+pytestmark = pytest.mark.skipif(
+    tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2]) < (2, 6),
+    reason=f"memplan models the notebooks' torch (>= 2.6), not {torch.__version__}",
+)
+
 
 def odd_model() -> nn.Sequential:
     """Shapes that do not split evenly over 2 ranks, so FSDP's padding and ZeRO's greedy split
