@@ -29,7 +29,7 @@ from typing import Any
 
 from mgtutor import _channel
 from mgtutor._messages import Call, Context, Done, Exit, Failed, Hello, Ready, Started, end_marker
-from mgtutor.worker import current_backend, current_device, setup, teardown
+from mgtutor.worker import current_backend, current_device, guard_destroy, setup, teardown
 
 
 @dataclass
@@ -384,6 +384,7 @@ def rank_main(spec: RankSpec) -> None:
     threading.Thread(target=_listen, args=(spec.conn, commands), daemon=True).start()
     _channel.send(Hello(os.getpid(), threading.main_thread().ident or 0))
     _apply_context(spec.context, spec.env)
+    guard_destroy()
     _start_doctor()
     if spec.join_group:
         try:

@@ -281,7 +281,70 @@ def teardown() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        keep_destroyed_groups()
         dist.destroy_process_group()
+
+
+# Process groups that destroy_process_group removed, kept referenced until the process exits.
+# Before torch 2.8, the last reference to a process group is dropped with the GIL held, and
+# ProcessGroupGloo's destructor then joins its worker threads; a worker still finishing a
+# collective whose future has a Python callback (a communication hook's ``fut.then(...)``, as
+# mgtutor's watch_allreduce and ZeroRedundancyOptimizer use) needs the GIL to free it, so both
+# threads wait forever. Found on torch 2.4.1: a rank stuck in teardown, its main thread in
+# ~ProcessGroupGloo -> std::thread::join, a gloo worker in take_gil. Fixed in torch by
+# pytorch/pytorch#154976 ("Release GIL in PG destructor", merged June 2025, in 2.8). A rank
+# ends with os._exit, which runs no destructor, so keeping the objects costs nothing there.
+_destroyed_groups: set[Any] = set()
+_FIXED_IN = (2, 8)
+
+
+def keep_destroyed_groups() -> None:
+    """On torch before 2.8, keep every current process group referenced for the process's life.
+
+    Call it right before ``dist.destroy_process_group()``; mgtutor's ranks also call it through
+    :func:`guard_destroy` when fn calls destroy_process_group itself. Does nothing on torch 2.8
+    and later, whose process groups release the GIL while they are destroyed.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    if not _destroy_holds_gil():
+        return
+    world = getattr(c10d, "_world", None)
+    _destroyed_groups.update(getattr(world, "pg_map", {}))
+
+
+def _destroy_holds_gil() -> bool:
+    import torch
+
+    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    return release < _FIXED_IN
+
+
+def guard_destroy() -> None:
+    """Make ``dist.destroy_process_group`` keep the groups it destroys (torch before 2.8).
+
+    Called once in each mgtutor rank, so that a training function that ends with the plain
+    program's ``dist.destroy_process_group()`` cannot deadlock in it (see
+    :func:`keep_destroyed_groups`). The function keeps its name, signature and docstring; on
+    torch 2.8 and later it is left as it is.
+    """
+    import functools
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    destroy = c10d.destroy_process_group
+    if not _destroy_holds_gil() or getattr(destroy, "_mgtutor_guarded", False):
+        return
+
+    @functools.wraps(destroy)
+    def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
+        keep_destroyed_groups()
+        return destroy(*args, **kwargs)
+
+    destroy_process_group._mgtutor_guarded = True  # type: ignore[attr-defined]
+    c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
 
 
 def current_device() -> str:

@@ -219,3 +219,24 @@ def test_threads_per_rank_divide_shared_cores_but_not_a_slurm_tasks_own(monkeypa
     assert worker._threads_per_rank(contract("slurm")) == 8
     # torchrun under srun (one task per node): its workers share the task's cores.
     assert worker._threads_per_rank(contract("torchrun")) == 2
+
+
+def _destroy_with_a_python_callback_pending(destroy_in_fn: bool) -> tuple[str, bool]:
+    import time
+
+    mgtutor.setup()
+    work = dist.all_reduce(torch.ones(1 << 14), async_op=True)
+    # A Python callback on the collective's future, still to run on gloo's worker thread.
+    work.get_future().then(lambda fut: time.sleep(0.3) or fut.value())
+    if destroy_in_fn:
+        dist.destroy_process_group()  # the plain program's last line
+    return dist.destroy_process_group.__name__, dist.is_initialized()
+
+
+@pytest.mark.parametrize("destroy_in_fn", [True, False], ids=["fn destroys", "teardown destroys"])
+def test_destroying_a_group_with_a_callback_pending_does_not_deadlock(destroy_in_fn) -> None:
+    # Before torch 2.8 a process group was destroyed with the GIL held, while gloo's worker
+    # thread needed the GIL to run the callback: every rank hung there, every time (torch 2.4.1,
+    # without mgtutor's guard). mgtutor's ranks keep the group alive instead (worker.py).
+    run = mgtutor.launch(_destroy_with_a_python_callback_pending, destroy_in_fn, timeout=30)
+    assert run.results == [("destroy_process_group", not destroy_in_fn)] * 2
