@@ -15,7 +15,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-__all__ = ["accumulate", "exact_accuracy", "load_snapshot", "ring_average", "save_snapshot"]
+__all__ = [
+    "accumulate",
+    "assign_buckets",
+    "bytes_per_rank",
+    "checked_all_reduce",
+    "exact_accuracy",
+    "global_batch_stats",
+    "load_snapshot",
+    "ring_average",
+    "save_snapshot",
+]
 
 
 def ring_average(tensor: torch.Tensor) -> None:
@@ -96,3 +106,59 @@ def load_snapshot(path: str | os.PathLike[str], job: Any) -> None:
     job.scheduler.load_state_dict(snapshot["scheduler"])
     job.epoch = snapshot["epoch"]
     torch.set_rng_state(snapshot["rng"][dist.get_rank()])
+
+
+def global_batch_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel mean and biased variance of the global batch, from three sums per channel."""
+    dims = [0, *range(2, x.dim())]  # every dimension but the channels'
+    count = torch.tensor([x.numel() // x.shape[1]], dtype=torch.float64)
+    # float64 sums: E[x²] - mean² loses digits when the mean is large against the spread.
+    sums = torch.cat([count, x.double().sum(dims), x.double().pow(2).sum(dims)])
+    dist.all_reduce(sums)  # one collective for the count and both sums, as SyncBatchNorm does
+    n, channels = sums[0], x.shape[1]
+    mean = sums[1 : 1 + channels] / n
+    var = sums[1 + channels :] / n - mean**2  # biased: divided by n, as BatchNorm normalizes
+    return mean.to(x.dtype), var.to(x.dtype)
+
+
+def checked_all_reduce(tensor: torch.Tensor) -> None:
+    """``dist.all_reduce(tensor)``, after checking that every rank has its shape and dtype."""
+    mine = (tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""))
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)  # objects: no need for equal sizes to gather
+    if any(other != mine for other in everyone):  # every rank sees all, so all decide alike
+        ranks = ", ".join(f"rank {r}: {shape} {dtype}" for r, (shape, dtype) in enumerate(everyone))
+        raise ValueError(f"all_reduce needs one shape and dtype on every rank, got {ranks}")
+    dist.all_reduce(tensor)
+
+
+def bytes_per_rank(n_params: int, world_size: int, strategy: str) -> list[int]:
+    """Bytes of parameters, gradients and Adam state on each rank, all float32 (torch 2.14)."""
+    if strategy == "ddp":  # everything on every rank: 4 + 4 + 8 bytes per parameter
+        return [16 * n_params] * world_size
+    if strategy == "zero1":  # Adam's state split by element, the first ranks one more
+        shares = [n_params // world_size + (r < n_params % world_size) for r in range(world_size)]
+        return [8 * n_params + 8 * share for share in shares]
+    if strategy == "fsdp":  # torch.chunk shards, padded to the first one's size
+        padded = -(-n_params // world_size)
+        held = [max(0, min(padded, n_params - r * padded)) for r in range(world_size)]
+        return [8 * padded + 8 * rows for rows in held]
+    raise ValueError(f"strategy must be 'ddp', 'zero1' or 'fsdp', got {strategy!r}")
+
+
+def assign_buckets(
+    param_sizes_bytes: list[int], cap_bytes: int, first_cap_bytes: int
+) -> list[list[int]]:
+    """DDP's buckets: parameters from the last to the first, each bucket closed at its cap."""
+    buckets: list[list[int]] = []
+    bucket: list[int] = []
+    size = 0
+    for index in reversed(range(len(param_sizes_bytes))):  # the order gradients become ready
+        bucket.append(index)  # added first: a bucket can end larger than its cap
+        size += param_sizes_bytes[index]
+        if size >= (first_cap_bytes if not buckets else cap_bytes):
+            buckets.append(bucket)
+            bucket, size = [], 0
+    if bucket:
+        buckets.append(bucket)
+    return buckets

@@ -18,7 +18,9 @@ with the rank and its traceback; one that hangs is stopped after ``timeout`` sec
 reported with where each rank was waiting.
 
 The checkers: :func:`check_ring_average` (notebook 02), :func:`check_exact_accuracy` (03),
-:func:`check_accumulation` (05), :func:`check_snapshot` (09).
+:func:`check_global_batch_stats` (04), :func:`check_accumulation` (05), :func:`check_buckets`
+(07), :func:`check_snapshot` (09), :func:`check_checked_all_reduce` (10),
+:func:`check_bytes_per_rank` (12).
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ from typing import Any
 from mgtutor._exercise_cases import (
     ACCUMULATION_CASES,
     ACCURACY_CASES,
+    BATCH_STATS_CASES,
+    BUCKET_CASES,
+    BYTES_CASES,
+    CHECKED_CASES,
     RING_CASES,
     LearnerFailed,
     TrainingJob,
@@ -47,7 +53,11 @@ __all__ = [
     "CheckResult",
     "TrainingJob",
     "check_accumulation",
+    "check_buckets",
+    "check_bytes_per_rank",
+    "check_checked_all_reduce",
     "check_exact_accuracy",
+    "check_global_batch_stats",
     "check_ring_average",
     "check_snapshot",
 ]
@@ -108,7 +118,9 @@ class CheckResult:
         if self.cases and self.reference is None:
             items = "".join(f"<li>{html.escape(case)}</li>" for case in self.cases)
             parts.append(
-                f"<details><summary>the cases, on {self.world_size} ranks</summary>"
+                "<details><summary>the cases"
+                + (f", on {self.world_size} ranks" if self.world_size > 1 else "")
+                + "</summary>"
                 f"<ul>{items}</ul></details>"
             )
         if self.reference is not None:
@@ -178,6 +190,42 @@ _EXERCISES = {
         "a collective called on some ranks only (say, a gather inside if rank == 0) waits "
         "forever; call collectives on every rank",
         needs_folder=True,
+    ),
+    "global_batch_stats": _Exercise(
+        "global_batch_stats",
+        ("global_batch_stats",),
+        2,
+        tuple(case for case, _, _ in BATCH_STATS_CASES),
+        "a collective that not every rank calls waits forever: call the same all_reduce on "
+        "every rank, whatever its batch size",
+        {
+            "ZeroDivisionError": "divide by the global count, summed over the ranks, never by "
+            "N - 1 of a single rank: a rank can hold a single sample",
+        },
+    ),
+    "checked_all_reduce": _Exercise(
+        "checked_all_reduce",
+        ("checked_all_reduce",),
+        2,
+        tuple(case for case, _, _ in CHECKED_CASES),
+        "the ranks' collectives did not pair up: one rank waits in a collective that another "
+        "never calls. Gather the shapes on every rank with the same call, decide on every rank, "
+        "and either raise on all of them or all-reduce on all of them",
+    ),
+    "bytes_per_rank": _Exercise(
+        "bytes_per_rank",
+        ("bytes_per_rank",),
+        1,
+        tuple(case for case, *_ in BYTES_CASES),
+        "the function does not return: it computes a few numbers, with no collective and no loop "
+        "over the parameters",
+    ),
+    "assign_buckets": _Exercise(
+        "assign_buckets",
+        ("assign_buckets",),
+        2,
+        tuple(case for case, *_ in BUCKET_CASES),
+        "the function does not return: it needs no collective, only one pass over the sizes",
     ),
 }
 
@@ -298,6 +346,119 @@ def check_snapshot(
     return _check_one(_EXERCISES["snapshot"], (save_snapshot, load_snapshot), timeout)
 
 
+def check_global_batch_stats(
+    global_batch_stats: Callable[..., Any], *, timeout: float = 20.0
+) -> CheckResult:
+    """Check the per-channel statistics SyncBatchNorm normalizes with, over the global batch.
+
+    The exercise: write ``global_batch_stats(x) -> (mean, var)``. ``x`` is this rank's part of
+    the batch, ``(N, C)`` or ``(N, C, H, W)``; N may differ between ranks (and be 1). Return, on
+    every rank, two tensors of shape ``(C,)``: each channel's mean and biased variance (divided
+    by the count, as BatchNorm normalizes) over every value of the global batch, all ranks'
+    samples together.
+
+    The checker runs it on 2 ranks with equal batches, uneven ones and a rank holding a single
+    sample, and compares with ``torch.var_mean`` over the ranks' inputs concatenated.
+
+    Args:
+        global_batch_stats: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``global_batch_stats`` is not a function.
+    """
+    return _check_one(_EXERCISES["global_batch_stats"], (global_batch_stats,), timeout)
+
+
+def check_checked_all_reduce(
+    checked_all_reduce: Callable[..., Any], *, timeout: float = 20.0
+) -> CheckResult:
+    """Check an all-reduce that refuses, on every rank, tensors that differ between ranks.
+
+    The exercise: write ``checked_all_reduce(tensor) -> None``. When every rank's tensor has
+    the same shape and dtype, it sums them in place, as ``dist.all_reduce(tensor)`` does;
+    otherwise it raises ``ValueError`` on every rank, with a message naming each rank and its
+    shape (or dtype), instead of letting gloo sum mismatched tensors or end a rank.
+
+    The checker runs it on 2 ranks: matching tensors (a 0-d one too), shapes with as many
+    elements, a 0-d tensor against a ``(1,)`` one, and two dtypes. While it runs, every
+    collective first compares what the ranks pass to it, so that a missing check is reported
+    instead of corrupting the sum, ending a rank or hanging.
+
+    Args:
+        checked_all_reduce: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``checked_all_reduce`` is not a function.
+    """
+    return _check_one(_EXERCISES["checked_all_reduce"], (checked_all_reduce,), timeout)
+
+
+def check_bytes_per_rank(
+    bytes_per_rank: Callable[..., Any], *, timeout: float = 20.0
+) -> CheckResult:
+    """Check a memory calculator for Adam in float32 under DDP, ZeRO-1 and FSDP.
+
+    The exercise: write ``bytes_per_rank(n_params, world_size, strategy) -> list[int]``: for a
+    model whose parameters are one 1-d float32 tensor of ``n_params`` elements, trained with
+    Adam, the bytes each rank holds for parameters (4 per element), gradients (4) and Adam's
+    two moments (8), in rank order, under ``"ddp"``, ``"zero1"`` (the best case of
+    ``ZeroRedundancyOptimizer``: Adam's state split evenly by element, the first
+    ``n_params % world_size`` ranks one more, as :func:`mgtutor.memplan.estimate` assumes for a
+    count) and ``"fsdp"`` (``fully_shard``: ``torch.chunk`` shards padded to the first one's
+    size). DDP's buckets, Adam's step counters and activations are left out.
+
+    The checker compares with :func:`mgtutor.memplan.estimate` (torch 2.14's rules) on six
+    cases, one of them with more ranks than some shards have elements.
+
+    Args:
+        bytes_per_rank: your function.
+        timeout: seconds the rank may take before it is stopped.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``bytes_per_rank`` is not a function.
+    """
+    return _check_one(_EXERCISES["bytes_per_rank"], (bytes_per_rank,), timeout)
+
+
+def check_buckets(assign_buckets: Callable[..., Any], *, timeout: float = 30.0) -> CheckResult:
+    """Check a reconstruction of the buckets DDP builds for its gradient all-reduces.
+
+    The exercise: write ``assign_buckets(param_sizes_bytes, cap_bytes, first_cap_bytes) ->
+    list[list[int]]``. ``param_sizes_bytes`` holds each parameter's size in bytes, in
+    ``model.parameters()`` order. Return DDP's buckets in the order it reduces them, each a
+    list of parameter indices: the parameters taken from the last to the first (the order their
+    gradients become ready in backward), a bucket closed once it holds at least its cap,
+    ``first_cap_bytes`` for the first bucket and ``cap_bytes`` for the later ones.
+
+    The checker builds DDP on 2 ranks for three MLPs and caps, runs three steps (DDP rebuilds
+    its buckets in the second forward, in the order the first backward's gradients arrived,
+    which for these MLPs is the reverse of ``model.parameters()``) and compares with the
+    buckets DDP reports in its logging data (``rebuilt_per_bucket_param_indices``).
+
+    Args:
+        assign_buckets: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``assign_buckets`` is not a function.
+    """
+    return _check_one(_EXERCISES["assign_buckets"], (assign_buckets,), timeout)
+
+
 def _check_one(exercise: _Exercise, functions: tuple, timeout: float) -> CheckResult:
     for name, fn in zip(exercise.functions, functions):
         if not callable(fn):
@@ -368,8 +529,9 @@ def _check(
     wrong answers for the price of one launch.
 
     Args:
-        exercise: the exercise (or its key: "ring_average", "exact_accuracy", "accumulate",
-            "snapshot").
+        exercise: the exercise (or its key in ``_EXERCISES``: "ring_average",
+            "exact_accuracy", "accumulate", "snapshot", "global_batch_stats",
+            "checked_all_reduce", "bytes_per_rank", "assign_buckets").
         candidates: tuples of the functions the exercise takes.
         timeout: seconds per launch, from when every rank started.
         label: added to each result's name ("reference solution").
@@ -448,6 +610,10 @@ def _count(cases: tuple[str, ...]) -> str:
     return "The one case" if len(cases) == 1 else f"All {len(cases)} cases"
 
 
+def _on_ranks(world_size: int) -> str:
+    return f" on every one of the {world_size} ranks" if world_size > 1 else ""
+
+
 def _key(exercise: _Exercise) -> str:
     return next(key for key, value in _EXERCISES.items() if value is exercise)
 
@@ -465,7 +631,9 @@ def _verdict(name: str, exercise: _Exercise, findings: list[list[dict]]) -> Chec
             return CheckResult(
                 name,
                 FAILED,
-                f"Case {finding['case']!r}, rank {rank}: {finding['detail']}.",
+                f"Case {finding['case']!r}"
+                + (f", rank {rank}" if exercise.world_size > 1 else "")
+                + f": {finding['detail']}.",
                 hint=finding["hint"] + ".",
                 cases=exercise.cases,
                 world_size=exercise.world_size,
@@ -473,7 +641,7 @@ def _verdict(name: str, exercise: _Exercise, findings: list[list[dict]]) -> Chec
     return CheckResult(
         name,
         PASSED,
-        f"{_count(exercise.cases)} right on every one of the {exercise.world_size} ranks.",
+        f"{_count(exercise.cases)} right{_on_ranks(exercise.world_size)}.",
         cases=exercise.cases,
         world_size=exercise.world_size,
     )

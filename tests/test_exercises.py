@@ -224,6 +224,163 @@ def load_without_epoch(path, job):
     _load(path, job, epoch=False)
 
 
+def _channel_sums(x):
+    dims = [0, *range(2, x.dim())]
+    return x.numel() // x.shape[1], x.double().sum(dims), x.double().pow(2).sum(dims)
+
+
+def stats_mean_of_means(x):
+    """Each rank's mean and mean of squares, averaged over the ranks: fine for equal batches."""
+    n, s, q = _channel_sums(x)
+    moments = torch.cat([s / n, q / n])
+    dist.all_reduce(moments)
+    moments /= dist.get_world_size()
+    mean, square = moments.chunk(2)
+    return mean.float(), (square - mean**2).float()
+
+
+def stats_mean_of_variances(x):
+    n, s, q = _channel_sums(x)
+    mean, var = s / n, q / n - (s / n) ** 2
+    stats = torch.cat([mean, var])
+    dist.all_reduce(stats)
+    return (stats / dist.get_world_size()).chunk(2)
+
+
+def stats_weighted_variances(x):
+    """The right mean, but each rank's variance around its own mean, weighted by its count."""
+    n, s, q = _channel_sums(x)
+    stats = torch.cat(
+        [torch.tensor([float(n)], dtype=torch.float64), s, n * (q / n - (s / n) ** 2)]
+    )
+    dist.all_reduce(stats)
+    total, sums, spreads = stats[0], *stats[1:].chunk(2)
+    return sums / total, spreads / total
+
+
+def stats_unbiased(x):
+    mean, var = solutions.global_batch_stats(x)
+    total = torch.tensor([float(x.numel() // x.shape[1])])
+    dist.all_reduce(total)
+    return mean, var * total / (total - 1)
+
+
+def stats_without_counts(x):
+    """The sums all-reduced, divided by this rank's count times the number of ranks."""
+    n, s, q = _channel_sums(x)
+    sums = torch.cat([s, q])
+    dist.all_reduce(sums)
+    s, q = (sums / (n * dist.get_world_size())).chunk(2)
+    return s, q - s**2
+
+
+def reduce_unchecked(tensor):
+    dist.all_reduce(tensor)
+
+
+def _gathered(tensor):
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (tuple(tensor.shape), tensor.dtype))
+    return everyone
+
+
+def reduce_checking_shapes_only(tensor):
+    shapes = [shape for shape, _ in _gathered(tensor)]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"shapes differ: {dict(enumerate(shapes))}")
+    dist.all_reduce(tensor)
+
+
+def reduce_with_a_vague_message(tensor):
+    if len(set(_gathered(tensor))) > 1:
+        raise ValueError("the tensors differ between ranks")
+    dist.all_reduce(tensor)
+
+
+def reduce_checked_on_rank_0(tensor):
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((tuple(tensor.shape), tensor.dtype), everyone, dst=0)
+    if dist.get_rank() == 0 and len(set(everyone)) > 1:
+        raise ValueError(f"rank 0 {everyone[0]}, rank 1 {everyone[1]}")
+    dist.all_reduce(tensor)
+
+
+def reduce_gathering_shape_tensors(tensor):
+    """Gathers torch.tensor(shape): its length is the number of dimensions, which can differ."""
+    mine = torch.tensor(tensor.shape, dtype=torch.long)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    if any(not torch.equal(other, mine) for other in everyone):
+        raise ValueError(f"shapes differ: {[(r, t.tolist()) for r, t in enumerate(everyone)]}")
+    dist.all_reduce(tensor)
+
+
+def reduce_asserting(tensor):
+    everyone = _gathered(tensor)
+    assert len(set(everyone)) == 1, f"rank 0 {everyone[0]}, rank 1 {everyone[1]}"
+    dist.all_reduce(tensor)
+
+
+def bytes_with_buckets(n_params, world_size, strategy):
+    return [
+        x + (4 * n_params if strategy == "ddp" else 0)
+        for x in solutions.bytes_per_rank(n_params, world_size, strategy)
+    ]
+
+
+def bytes_zero1_shards_everything(n_params, world_size, strategy):
+    if strategy != "zero1":
+        return solutions.bytes_per_rank(n_params, world_size, strategy)
+    return [16 * (n_params // world_size + (r < n_params % world_size)) for r in range(world_size)]
+
+
+def bytes_zero1_rounded_down(n_params, world_size, strategy):
+    if strategy != "zero1":
+        return solutions.bytes_per_rank(n_params, world_size, strategy)
+    return [8 * n_params + 8 * (n_params // world_size)] * world_size
+
+
+def bytes_fsdp_unpadded(n_params, world_size, strategy):
+    if strategy != "fsdp":
+        return solutions.bytes_per_rank(n_params, world_size, strategy)
+    per_rank = -(-n_params // world_size)
+    return [16 * max(0, min(per_rank, n_params - r * per_rank)) for r in range(world_size)]
+
+
+def bytes_fsdp_padded_state(n_params, world_size, strategy):
+    if strategy != "fsdp":
+        return solutions.bytes_per_rank(n_params, world_size, strategy)
+    return [16 * -(-n_params // world_size)] * world_size
+
+
+def bytes_one_number(n_params, world_size, strategy):
+    return solutions.bytes_per_rank(n_params, world_size, strategy)[0]
+
+
+def buckets_in_forward_order(param_sizes_bytes, cap_bytes, first_cap_bytes):
+    last = len(param_sizes_bytes) - 1
+    reversed_sizes = param_sizes_bytes[::-1]
+    buckets = solutions.assign_buckets(reversed_sizes, cap_bytes, first_cap_bytes)
+    return [[last - i for i in bucket] for bucket in buckets]
+
+
+def buckets_without_a_first_cap(param_sizes_bytes, cap_bytes, first_cap_bytes):
+    return solutions.assign_buckets(param_sizes_bytes, cap_bytes, cap_bytes)
+
+
+def buckets_never_over_the_cap(param_sizes_bytes, cap_bytes, first_cap_bytes):
+    """Closes a bucket before a parameter would take it past its cap."""
+    buckets, size = [[]], 0
+    for index in reversed(range(len(param_sizes_bytes))):
+        cap = first_cap_bytes if len(buckets) == 1 else cap_bytes
+        if buckets[-1] and size + param_sizes_bytes[index] > cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(index)
+        size += param_sizes_bytes[index]
+    return buckets
+
+
 # --- the tests ----------------------------------------------------------------------------
 
 
@@ -307,6 +464,96 @@ def test_snapshot_passes_the_reference_and_catches_what_it_forgets() -> None:
     assert _failed_with(rank_0_rng, "rank 1 restored rank 0's"), rank_0_rng
     assert _failed_with(no_scheduler, "scheduler differs", "scheduler.state_dict"), no_scheduler
     assert _failed_with(no_epoch, "job.epoch is 0"), no_epoch
+
+
+def test_global_batch_stats_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    reference, means, variances, weighted, unbiased, counts = exercises._check(
+        "global_batch_stats",
+        [
+            (solutions.global_batch_stats,),
+            (stats_mean_of_means,),
+            (stats_mean_of_variances,),
+            (stats_weighted_variances,),
+            (stats_unbiased,),
+            (stats_without_counts,),
+        ],
+    )
+    assert reference.passed, reference
+    assert _failed_with(means, "6 and 2", "the mean of the ranks' means", "counts"), means
+    assert _failed_with(variances, "4 and 4", "mean of the ranks' variances", "spread"), variances
+    assert _failed_with(weighted, "4 and 4", "spread between"), weighted
+    assert _failed_with(unbiased, "4 and 4", "unbiased", "correction=0"), unbiased
+    assert _failed_with(counts, "6 and 2", "this rank's count", "all-reduce the count"), counts
+
+
+def test_checked_all_reduce_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    results = exercises._check(
+        "checked_all_reduce",
+        [
+            (solutions.checked_all_reduce,),
+            (reduce_unchecked,),
+            (reduce_checking_shapes_only,),
+            (reduce_with_a_vague_message,),
+            (reduce_checked_on_rank_0,),
+            (reduce_gathering_shape_tensors,),
+            (reduce_asserting,),
+        ],
+    )
+    reference, unchecked, shapes_only, vague, rank_0, shape_tensors, asserting = results
+    assert reference.passed, reference
+    assert _failed_with(
+        unchecked, "(2, 3) on rank 0", "rank 0: all_reduce of (2, 3)", "not enough"
+    ), unchecked
+    assert _failed_with(shapes_only, "float64 on rank 1", "compare the dtypes"), shapes_only
+    assert _failed_with(vague, "name every rank", "here rank 0 (2, 3), rank 1 (3, 2)"), vague
+    assert _failed_with(
+        rank_0, "rank 1: rank 1 went on to dist.all_reduce", "rank 0 had left", "every rank"
+    ), rank_0
+    assert _failed_with(shape_tensors, "0-d on rank 0", "own dist.all_gather", "length 0"), (
+        shape_tensors
+    )
+    assert _failed_with(asserting, "raised AssertionError", "raise ValueError"), asserting
+
+
+def test_bytes_per_rank_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    results = exercises._check(
+        "bytes_per_rank",
+        [
+            (solutions.bytes_per_rank,),
+            (bytes_with_buckets,),
+            (bytes_zero1_shards_everything,),
+            (bytes_zero1_rounded_down,),
+            (bytes_fsdp_unpadded,),
+            (bytes_fsdp_padded_state,),
+            (bytes_one_number,),
+        ],
+    )
+    reference, buckets, zero_all, rounded, unpadded, padded_state, one = results
+    assert reference.passed, reference
+    assert _failed_with(buckets, "4 ranks, ddp", "buckets"), buckets
+    assert _failed_with(zero_all, "1,000 parameters, 4 ranks, zero1", "only the optimizer"), (
+        zero_all
+    )
+    assert _failed_with(rounded, "1,001", "rounding its share down", "one more"), rounded
+    assert _failed_with(unpadded, "10 parameters", "unpadded", "pads"), unpadded
+    assert _failed_with(padded_state, "10 parameters", "zeros_like"), padded_state
+    assert _failed_with(one, "returned int", "a list of 4 numbers"), one
+
+
+def test_buckets_pass_the_reference_and_catch_each_classic_mistake() -> None:
+    reference, forward, one_cap, under = exercises._check(
+        "assign_buckets",
+        [
+            (solutions.assign_buckets,),
+            (buckets_in_forward_order,),
+            (buckets_without_a_first_cap,),
+            (buckets_never_over_the_cap,),
+        ],
+    )
+    assert reference.passed, reference
+    assert _failed_with(forward, "forward order", "in reverse"), forward
+    assert _failed_with(one_cap, "unset", "capped at cap_bytes", "first_cap_bytes"), one_cap
+    assert _failed_with(under, "would pass the cap", "larger than its cap"), under
 
 
 def test_a_stub_is_not_attempted_and_shows_the_reference_passing() -> None:
