@@ -21,10 +21,13 @@ __all__ = [
     "bytes_per_rank",
     "checked_all_reduce",
     "exact_accuracy",
+    "find_drifted",
     "global_batch_stats",
     "load_snapshot",
     "ring_average",
     "save_snapshot",
+    "serial_fraction",
+    "shard_indices",
 ]
 
 
@@ -130,6 +133,41 @@ def checked_all_reduce(tensor: torch.Tensor) -> None:
         ranks = ", ".join(f"rank {r}: {shape} {dtype}" for r, (shape, dtype) in enumerate(everyone))
         raise ValueError(f"all_reduce needs one shape and dtype on every rank, got {ranks}")
     dist.all_reduce(tensor)
+
+
+def shard_indices(
+    n_samples: int, rank: int, world_size: int, worker_id: int, num_workers: int
+) -> list[int]:
+    """The samples one DataLoader worker of one rank reads; each sample read once in all."""
+    # By rank first, every world_size-th sample: the ranks' counts differ by one at most, however
+    # many workers each has. Then the rank's share by worker, every num_workers-th of it.
+    return list(range(rank, n_samples, world_size))[worker_id::num_workers]
+
+
+def serial_fraction(kind: str, n: int, step_time_1: float, step_time_n: float) -> float:
+    """The serial fraction of a run on n ranks, by Amdahl's law (strong) or Gustafson's (weak).
+
+    Not clipped: outside 0 to 1 it says that the law cannot describe the run.
+    """
+    if kind == "strong":  # one problem split n ways: S = t1 / tn = 1 / (s + (1 - s) / n)
+        speedup = step_time_1 / step_time_n
+        return (n / speedup - 1) / (n - 1)
+    if kind == "weak":  # n times the work in the n-rank step: S = n t1 / tn = n - s (n - 1)
+        speedup = n * step_time_1 / step_time_n
+        return (n - speedup) / (n - 1)
+    raise ValueError(f"kind must be 'strong' or 'weak', got {kind!r}")
+
+
+def find_drifted(model: torch.nn.Module, atol: float = 1e-6) -> list[int]:
+    """The ranks whose parameters differ from rank 0's by more than ``atol``, on every rank."""
+    mine = torch.cat([p.detach().flatten() for p in model.parameters()])  # a copy
+    reference = mine.clone()
+    dist.broadcast(reference, src=0)  # into the copy: finding the drift must not repair it
+    drifted = torch.zeros(dist.get_world_size())
+    # allclose, not max() > atol: a NaN (a replica that diverged) counts as a difference.
+    drifted[dist.get_rank()] = float(not torch.allclose(mine, reference, rtol=0.0, atol=atol))
+    dist.all_reduce(drifted)  # every rank learns every rank's verdict
+    return [rank for rank, flag in enumerate(drifted.tolist()) if flag]
 
 
 def bytes_per_rank(n_params: int, world_size: int, strategy: str) -> list[int]:

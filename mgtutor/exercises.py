@@ -18,23 +18,20 @@ with the rank and its traceback; one that hangs is stopped after ``timeout`` sec
 reported with where each rank was waiting.
 
 The checkers: :func:`check_ring_average` (notebook 02), :func:`check_exact_accuracy` (03),
-:func:`check_global_batch_stats` (04), :func:`check_accumulation` (05), :func:`check_buckets`
-(07), :func:`check_snapshot` (09), :func:`check_checked_all_reduce` (10),
+:func:`check_global_batch_stats` (04), :func:`check_accumulation` (05),
+:func:`check_shard_indices` (06), :func:`check_buckets` (07),
+:func:`check_serial_fraction` (08), :func:`check_snapshot` (09),
+:func:`check_checked_all_reduce` (10), :func:`check_find_drifted` (11),
 :func:`check_bytes_per_rank` (12).
 """
 
 from __future__ import annotations
 
-import ast
-import html
-import inspect
-import shutil
-import tempfile
-import textwrap
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
+from mgtutor import _checking
+from mgtutor._checking import CheckResult, _check_one, _Exercise
 from mgtutor._exercise_cases import (
     ACCUMULATION_CASES,
     ACCURACY_CASES,
@@ -42,12 +39,12 @@ from mgtutor._exercise_cases import (
     BUCKET_CASES,
     BYTES_CASES,
     CHECKED_CASES,
+    DRIFT_CASES,
     RING_CASES,
-    LearnerFailed,
+    SCALING_CASES,
+    SHARD_CASES,
     TrainingJob,
-    run_candidates,
 )
-from mgtutor.errors import WorkerError, WorkerTimeout
 
 __all__ = [
     "CheckResult",
@@ -57,176 +54,135 @@ __all__ = [
     "check_bytes_per_rank",
     "check_checked_all_reduce",
     "check_exact_accuracy",
+    "check_find_drifted",
     "check_global_batch_stats",
     "check_ring_average",
+    "check_serial_fraction",
+    "check_shard_indices",
     "check_snapshot",
 ]
 
-PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """What a checker found: shown as a coloured box in Jupyter, as text elsewhere.
-
-    Attributes:
-        exercise: the name of the function checked (``"ring_average"``).
-        status: ``"passed"``, ``"failed"`` or ``"not attempted"`` (the function is still the
-            stub that raises ``NotImplementedError``).
-        message: what happened: the cases passed, or the first case that failed and what came
-            out there.
-        hint: what to look at when it failed ("" otherwise).
-        cases: the cases the checker runs.
-        world_size: the number of ranks it ran on.
-        reference: for ``"not attempted"``, the result of mgtutor's reference solution run
-            through the same checks.
-    """
-
-    exercise: str
-    status: str
-    message: str
-    hint: str = ""
-    cases: tuple[str, ...] = ()
-    world_size: int = 2
-    reference: CheckResult | None = field(default=None, repr=False)
-
-    @property
-    def passed(self) -> bool:
-        """Whether the function passed every case."""
-        return self.status == PASSED
-
-    def __repr__(self) -> str:
-        lines = [f"{self.exercise}: {self.status.upper()}", *_indent(self.message)]
-        if self.hint:
-            lines += _indent(f"Hint: {self.hint}")
-        if self.reference is not None:
-            lines += _indent(repr(self.reference))
-        return "\n".join(lines)
-
-    __str__ = __repr__
-
-    def _repr_html_(self) -> str:
-        colour = {PASSED: "#2e7d32", FAILED: "#c62828"}.get(self.status, "#757575")
-        parts = [
-            f'<div style="border-left: 4px solid {colour}; padding: 2px 10px; margin: 4px 0">',
-            f'<b style="color: {colour}">{html.escape(self.exercise)}: '
-            f"{html.escape(self.status.upper())}</b>",
-            f'<pre style="white-space: pre-wrap; margin: 4px 0">{html.escape(self.message)}</pre>',
-        ]
-        if self.hint:
-            parts.append(f"<p><i>Hint:</i> {html.escape(self.hint)}</p>")
-        if self.cases and self.reference is None:
-            items = "".join(f"<li>{html.escape(case)}</li>" for case in self.cases)
-            parts.append(
-                "<details><summary>the cases"
-                + (f", on {self.world_size} ranks" if self.world_size > 1 else "")
-                + "</summary>"
-                f"<ul>{items}</ul></details>"
-            )
-        if self.reference is not None:
-            parts.append(self.reference._repr_html_())
-        parts.append("</div>")
-        return "".join(parts)
-
-
-def _indent(text: str) -> list[str]:
-    return ["  " + line for line in text.splitlines()]
-
-
-@dataclass(frozen=True)
-class _Exercise:
-    name: str  # the learner's function(s), as the notebook names them
-    functions: tuple[str, ...]
-    world_size: int
-    cases: tuple[str, ...]
-    hang_hint: str
-    raise_hints: dict[str, str] = field(default_factory=dict)  # by the exception's type name
-    needs_folder: bool = False
-
-
 _EXERCISES = {
-    "ring_average": _Exercise(
-        "ring_average",
-        ("ring_average",),
-        3,
-        tuple(case for case, _, _ in RING_CASES),
-        "every rank waits for a message that its neighbour never sends: check that each "
-        "send has a matching recv on the neighbour, and send with dist.isend (if every rank "
-        "first sends with a blocking send, all of them can wait at once)",
-        {
-            "IndexError": "tensor.chunk(n) returns fewer than n pieces when the tensor is "
-            "short (4 rows in 3 chunks: 2 pieces of 2); tensor.view(-1).tensor_split(n) always "
-            "returns n, some of them empty",
-        },
-    ),
-    "exact_accuracy": _Exercise(
-        "exact_accuracy",
-        ("exact_accuracy",),
-        2,
-        tuple(case for case, *_ in ACCURACY_CASES),
-        "a collective that not every rank calls waits forever: call it on every rank, even "
-        "one with no real sample, outside any if-block",
-        {
-            "ZeroDivisionError": "a rank can hold no real sample at all (1 sample on 2 ranks): "
-            "sum the correct and the sample counts over the ranks first, then divide once",
-        },
-    ),
-    "accumulate": _Exercise(
-        "accumulate",
-        ("accumulate",),
-        2,
-        tuple(case for case, _, _ in ACCUMULATION_CASES),
-        "the ranks must run the same number of backward passes outside no_sync: each one "
-        "all-reduces, and a rank that skips one leaves the others waiting",
-    ),
-    "snapshot": _Exercise(
-        "save_snapshot / load_snapshot",
-        ("save_snapshot", "load_snapshot"),
-        2,
-        (
-            "train epoch 0, save_snapshot, a new process group and a fresh job, load_snapshot, "
-            "train epoch 1: the same losses and weights as without the restart, bit for bit",
+    exercise.key: exercise
+    for exercise in (
+        _Exercise(
+            "ring_average",
+            "ring_average",
+            ("ring_average",),
+            3,
+            tuple(case for case, _, _ in RING_CASES),
+            "every rank waits for a message that its neighbour never sends: check that each "
+            "send has a matching recv on the neighbour, and send with dist.isend (if every rank "
+            "first sends with a blocking send, all of them can wait at once)",
+            {
+                "IndexError": "tensor.chunk(n) returns fewer than n pieces when the tensor is "
+                "short (4 rows in 3 chunks: 2 pieces of 2); tensor.view(-1).tensor_split(n) always "
+                "returns n, some of them empty",
+            },
         ),
-        "a collective called on some ranks only (say, a gather inside if rank == 0) waits "
-        "forever; call collectives on every rank",
-        needs_folder=True,
-    ),
-    "global_batch_stats": _Exercise(
-        "global_batch_stats",
-        ("global_batch_stats",),
-        2,
-        tuple(case for case, _, _ in BATCH_STATS_CASES),
-        "a collective that not every rank calls waits forever: call the same all_reduce on "
-        "every rank, whatever its batch size",
-        {
-            "ZeroDivisionError": "divide by the global count, summed over the ranks, never by "
-            "N - 1 of a single rank: a rank can hold a single sample",
-        },
-    ),
-    "checked_all_reduce": _Exercise(
-        "checked_all_reduce",
-        ("checked_all_reduce",),
-        2,
-        tuple(case for case, _, _ in CHECKED_CASES),
-        "the ranks' collectives did not pair up: one rank waits in a collective that another "
-        "never calls. Gather the shapes on every rank with the same call, decide on every rank, "
-        "and either raise on all of them or all-reduce on all of them",
-    ),
-    "bytes_per_rank": _Exercise(
-        "bytes_per_rank",
-        ("bytes_per_rank",),
-        1,
-        tuple(case for case, *_ in BYTES_CASES),
-        "the function does not return: it computes a few numbers, with no collective and no loop "
-        "over the parameters",
-    ),
-    "assign_buckets": _Exercise(
-        "assign_buckets",
-        ("assign_buckets",),
-        2,
-        tuple(case for case, *_ in BUCKET_CASES),
-        "the function does not return: it needs no collective, only one pass over the sizes",
-    ),
+        _Exercise(
+            "exact_accuracy",
+            "exact_accuracy",
+            ("exact_accuracy",),
+            2,
+            tuple(case for case, *_ in ACCURACY_CASES),
+            "a collective that not every rank calls waits forever: call it on every rank, even "
+            "one with no real sample, outside any if-block",
+            {
+                "ZeroDivisionError": "a rank can hold no real sample at all (1 sample on 2 ranks): "
+                "sum the correct and the sample counts over the ranks first, then divide once",
+            },
+        ),
+        _Exercise(
+            "accumulate",
+            "accumulate",
+            ("accumulate",),
+            2,
+            tuple(case for case, _, _ in ACCUMULATION_CASES),
+            "the ranks must run the same number of backward passes outside no_sync: each one "
+            "all-reduces, and a rank that skips one leaves the others waiting",
+        ),
+        _Exercise(
+            "snapshot",
+            "save_snapshot / load_snapshot",
+            ("save_snapshot", "load_snapshot"),
+            2,
+            (
+                "train epoch 0, save_snapshot, a new process group and a fresh job, load_snapshot, "
+                "train epoch 1: the same losses and weights as without the restart, bit for bit",
+            ),
+            "a collective called on some ranks only (say, a gather inside if rank == 0) waits "
+            "forever; call collectives on every rank",
+            needs_folder=True,
+        ),
+        _Exercise(
+            "global_batch_stats",
+            "global_batch_stats",
+            ("global_batch_stats",),
+            2,
+            tuple(case for case, _, _ in BATCH_STATS_CASES),
+            "a collective that not every rank calls waits forever: call the same all_reduce on "
+            "every rank, whatever its batch size",
+            {
+                "ZeroDivisionError": "divide by the global count, summed over the ranks, never by "
+                "N - 1 of a single rank: a rank can hold a single sample",
+            },
+        ),
+        _Exercise(
+            "checked_all_reduce",
+            "checked_all_reduce",
+            ("checked_all_reduce",),
+            2,
+            tuple(case for case, _, _ in CHECKED_CASES),
+            "the ranks' collectives did not pair up: one rank waits in a collective that "
+            "another never calls. Gather the shapes on every rank with the same call, decide on "
+            "every rank, and either raise on all of them or all-reduce on all of them",
+        ),
+        _Exercise(
+            "bytes_per_rank",
+            "bytes_per_rank",
+            ("bytes_per_rank",),
+            1,
+            tuple(case for case, *_ in BYTES_CASES),
+            "the function does not return: it computes a few numbers, with no collective and "
+            "no loop over the parameters",
+        ),
+        _Exercise(
+            "assign_buckets",
+            "assign_buckets",
+            ("assign_buckets",),
+            2,
+            tuple(case for case, *_ in BUCKET_CASES),
+            "the function does not return: it needs no collective, only one pass over the sizes",
+        ),
+        _Exercise(
+            "shard_indices",
+            "shard_indices",
+            ("shard_indices",),
+            2,
+            tuple(case for case, *_ in SHARD_CASES),
+            "the function does not return: it needs no collective and no loop that waits, only "
+            "arithmetic on its five arguments",
+        ),
+        _Exercise(
+            "serial_fraction",
+            "serial_fraction",
+            ("serial_fraction",),
+            1,
+            tuple(case for case, *_ in SCALING_CASES),
+            "the function does not return: it needs no collective and no loop, only a speedup and "
+            "one of the two laws turned around",
+        ),
+        _Exercise(
+            "find_drifted",
+            "find_drifted",
+            ("find_drifted",),
+            3,
+            tuple(case for case, *_ in DRIFT_CASES),
+            "a collective that not every rank calls waits forever: call the same collectives on "
+            "every rank, rank 0 included, whatever its own verdict",
+        ),
+    )
 }
 
 
@@ -459,60 +415,89 @@ def check_buckets(assign_buckets: Callable[..., Any], *, timeout: float = 30.0) 
     return _check_one(_EXERCISES["assign_buckets"], (assign_buckets,), timeout)
 
 
-def _check_one(exercise: _Exercise, functions: tuple, timeout: float) -> CheckResult:
-    for name, fn in zip(exercise.functions, functions):
-        if not callable(fn):
-            raise TypeError(
-                f"the checker needs your function {name}, got {fn!r}; pass the function "
-                f"itself, without calling it: check(...)({name}), not check({name}(...))"
-            )
-    stubs = [name for name, fn in zip(exercise.functions, functions) if _is_stub(fn)]
-    if stubs:
-        verb = "raises" if len(stubs) == 1 else "raise"
-        return _not_attempted(exercise, f"{' and '.join(stubs)} still {verb} NotImplementedError")
-    (result,) = _check(exercise, [functions], timeout)
-    if result.status == NOT_ATTEMPTED:
-        return _not_attempted(exercise, result.message)
-    return result
+def check_shard_indices(shard_indices: Callable[..., Any], *, timeout: float = 30.0) -> CheckResult:
+    """Check how a stream's samples are split between ranks and their DataLoader workers.
+
+    The exercise: write ``shard_indices(n_samples, rank, world_size, worker_id, num_workers)
+    -> list[int]``, the indices of the samples that DataLoader worker ``worker_id`` (of
+    ``num_workers``) of rank ``rank`` (of ``world_size``) reads, for an ``IterableDataset``
+    over samples ``0 .. n_samples - 1``: it runs once in every worker of every rank (with
+    ``num_workers=0`` the loop itself reads: worker 0 of 1). Over all ranks and workers, every
+    sample must be read exactly once, nothing dropped, and the ranks' counts may differ by one
+    at most (under DDP each rank runs a step per batch).
+
+    The checker runs it on 2 ranks: each rank calls it for each of its workers, on sample
+    counts that divide and that do not, fewer samples than readers and no workers; then through
+    a real ``DataLoader`` with 2 forked workers on each rank. The ranks exchange what each
+    worker read.
+
+    Args:
+        shard_indices: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``shard_indices`` is not a function.
+    """
+    return _check_one(_EXERCISES["shard_indices"], (shard_indices,), timeout)
 
 
-def _not_attempted(exercise: _Exercise, why: str) -> CheckResult:
-    from mgtutor import _solutions
+def check_serial_fraction(
+    serial_fraction: Callable[..., Any], *, timeout: float = 20.0
+) -> CheckResult:
+    """Check the serial fraction that Amdahl's or Gustafson's law reads from a measured run.
 
-    reference = tuple(getattr(_solutions, name) for name in exercise.functions)
-    (result,) = _check(exercise, [reference], timeout=120.0, label="reference solution")
-    if not result.passed:
-        raise RuntimeError(
-            f"mgtutor's reference solution failed its own check; this is a bug in mgtutor, "
-            f"please report it:\n{result!r}"
-        )
-    return CheckResult(
-        exercise.name,
-        NOT_ATTEMPTED,
-        f"Not attempted yet: {why}. Write your answer in its cell, run that cell, then run "
-        f"this one again. What passing looks like, mgtutor's own solution through the same "
-        f"checks:",
-        cases=exercise.cases,
-        world_size=exercise.world_size,
-        reference=result,
-    )
+    The exercise: write ``serial_fraction(kind, n, step_time_1, step_time_n) -> float``.
+    ``kind`` is ``"strong"`` (a fixed global batch: each of the ``n`` ranks takes ``1/n`` of
+    it) or ``"weak"`` (a fixed per-rank batch: ``n`` ranks do ``n`` times the work of one);
+    ``step_time_1`` and ``step_time_n`` are the seconds per step on 1 rank and on ``n``.
+    Return the serial fraction ``s`` of the law that models that kind: Amdahl's,
+    ``S = 1 / (s + (1 - s) / n)``, for strong scaling; Gustafson's, ``S = n - s (n - 1)``, for
+    weak scaling, where ``S`` is the speedup (the scaled speedup for weak scaling). Do not clip
+    it: outside 0 to 1 it says that the law cannot describe the run.
+
+    The checker compares with both laws turned around on five runs, one of each kind that the
+    laws describe, an ideal one, one slower than a single rank and one faster than ideal. It
+    needs no process group, only one rank to run in.
+
+    Args:
+        serial_fraction: your function.
+        timeout: seconds the rank may take before it is stopped.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``serial_fraction`` is not a function.
+    """
+    return _check_one(_EXERCISES["serial_fraction"], (serial_fraction,), timeout)
 
 
-def _is_stub(fn: Callable[..., Any]) -> bool:
-    """Whether fn's body (past a docstring) is only ``raise NotImplementedError``."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return False  # no source to read: it runs, and a NotImplementedError is reported then
-    if not tree.body or not isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return False
-    body = tree.body[0].body
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
-        body = body[1:]
-    if len(body) != 1 or not isinstance(body[0], ast.Raise) or body[0].exc is None:
-        return False
-    raised = body[0].exc.func if isinstance(body[0].exc, ast.Call) else body[0].exc
-    return isinstance(raised, ast.Name) and raised.id == "NotImplementedError"
+def check_find_drifted(find_drifted: Callable[..., Any], *, timeout: float = 20.0) -> CheckResult:
+    """Check a detector of replicas that drifted from rank 0's, as in notebook 11's section 4.
+
+    The exercise: write ``find_drifted(model, atol=1e-6) -> list[int]``. It is called on every
+    rank with that rank's replica and returns, on every rank, the sorted list of the ranks whose
+    parameters differ from rank 0's by more than ``atol`` in some element (rank 0 never is in
+    it), without changing the model.
+
+    The checker runs it on 3 ranks, each with notebook 11's small model changed on some
+    ranks: none, one weight on rank 2, rank 1's last bits (within the tolerance), two weights
+    swapped on rank 1 (a checksum cannot see it) and a bias on rank 0.
+
+    Args:
+        find_drifted: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``find_drifted`` is not a function.
+    """
+    return _check_one(_EXERCISES["find_drifted"], (find_drifted,), timeout)
 
 
 def _check(
@@ -523,15 +508,14 @@ def _check(
 ) -> list[CheckResult]:
     """Run several candidates through one exercise, in as few launches as possible.
 
-    All candidates run one after the other in one launch. When one raises, it is reported and
-    the others run again without it; when a launch hangs with several candidates in it, each
-    runs alone, so that the hang is blamed on the right one. The tests use this to check many
-    wrong answers for the price of one launch.
+    The tests use this to check many wrong answers for the price of one launch; see
+    :func:`mgtutor._checking._check`.
 
     Args:
-        exercise: the exercise (or its key in ``_EXERCISES``: "ring_average",
-            "exact_accuracy", "accumulate", "snapshot", "global_batch_stats",
-            "checked_all_reduce", "bytes_per_rank", "assign_buckets").
+        exercise: the exercise, or its key in ``_EXERCISES`` ("ring_average", "exact_accuracy",
+            "accumulate", "snapshot", "global_batch_stats", "checked_all_reduce",
+            "bytes_per_rank", "assign_buckets", "shard_indices", "serial_fraction",
+            "find_drifted").
         candidates: tuples of the functions the exercise takes.
         timeout: seconds per launch, from when every rank started.
         label: added to each result's name ("reference solution").
@@ -539,183 +523,6 @@ def _check(
     Returns:
         One :class:`CheckResult` per candidate, in order.
     """
-    import cloudpickle
-
-    from mgtutor.launch import launch
-
     if isinstance(exercise, str):
         exercise = _EXERCISES[exercise]
-    name = f"{exercise.name} ({label})" if label else exercise.name
-    results: dict[int, CheckResult] = {}
-    pending = list(range(len(candidates)))
-    while pending:
-        payloads = []
-        for i in list(pending):
-            try:
-                payloads.append(cloudpickle.dumps(tuple(candidates[i])))
-            except Exception as exc:
-                pending.remove(i)
-                results[i] = CheckResult(
-                    name,
-                    FAILED,
-                    f"Your function could not be sent to the ranks: {type(exc).__name__}: {exc}",
-                    hint="each rank gets a pickled copy of the function and of the globals it "
-                    "uses; create locks, open files, generators and the like inside it.",
-                    cases=exercise.cases,
-                    world_size=exercise.world_size,
-                )
-        if not pending:
-            break
-        folder = tempfile.mkdtemp(prefix="mgtutor-exercise-") if exercise.needs_folder else None
-        try:
-            run = launch(
-                run_candidates,
-                _key(exercise),
-                payloads,
-                folder,
-                world_size=exercise.world_size,
-                backend="gloo",
-                timeout=timeout,
-            )
-        except WorkerTimeout as exc:
-            if len(pending) > 1:
-                for i in pending:
-                    (results[i],) = _check(exercise, [candidates[i]], timeout, label)
-                break
-            results[pending[0]] = _hung(name, exercise, exc, timeout)
-            break
-        except WorkerError as exc:
-            failure = _learner_failure(exc)
-            if failure is not None and 0 <= failure.index < len(pending):
-                culprit = pending.pop(failure.index)
-                results[culprit] = _raised(name, exercise, failure)
-                continue  # the others again, without it
-            if len(pending) > 1:
-                for i in pending:
-                    (results[i],) = _check(exercise, [candidates[i]], timeout, label)
-                break
-            results[pending[0]] = _crashed(name, exercise, exc)
-            break
-        finally:
-            if folder is not None:
-                shutil.rmtree(folder, ignore_errors=True)
-        for position, i in enumerate(pending):
-            findings = [rank_reports[position] for rank_reports in run.results]
-            results[i] = _verdict(name, exercise, findings)
-        break
-    return [results[i] for i in range(len(candidates))]
-
-
-def _count(cases: tuple[str, ...]) -> str:
-    return "The one case" if len(cases) == 1 else f"All {len(cases)} cases"
-
-
-def _on_ranks(world_size: int) -> str:
-    return f" on every one of the {world_size} ranks" if world_size > 1 else ""
-
-
-def _key(exercise: _Exercise) -> str:
-    return next(key for key, value in _EXERCISES.items() if value is exercise)
-
-
-def _verdict(name: str, exercise: _Exercise, findings: list[list[dict]]) -> CheckResult:
-    """Passed, or the first case that went wrong, on the rank whose finding says most."""
-    for number in range(max(len(rank_findings) for rank_findings in findings)):
-        failing = [
-            (rank_findings[number].get("knock_on", False), rank, rank_findings[number])
-            for rank, rank_findings in enumerate(findings)
-            if number < len(rank_findings) and not rank_findings[number]["ok"]
-        ]
-        if failing:
-            _, rank, finding = min(failing, key=lambda item: item[:2])
-            return CheckResult(
-                name,
-                FAILED,
-                f"Case {finding['case']!r}"
-                + (f", rank {rank}" if exercise.world_size > 1 else "")
-                + f": {finding['detail']}.",
-                hint=finding["hint"] + ".",
-                cases=exercise.cases,
-                world_size=exercise.world_size,
-            )
-    return CheckResult(
-        name,
-        PASSED,
-        f"{_count(exercise.cases)} right{_on_ranks(exercise.world_size)}.",
-        cases=exercise.cases,
-        world_size=exercise.world_size,
-    )
-
-
-def _learner_failure(exc: WorkerError) -> LearnerFailed | None:
-    if isinstance(exc.original, LearnerFailed):
-        return exc.original
-    return LearnerFailed.parse(exc.exc_message or "") or LearnerFailed.parse(str(exc))
-
-
-def _raised(name: str, exercise: _Exercise, failure: LearnerFailed) -> CheckResult:
-    common = {"cases": exercise.cases, "world_size": exercise.world_size}
-    where = f"Case {failure.case!r}, rank {failure.rank}"
-    if failure.exc_type == "NotImplementedError":
-        return CheckResult(
-            name,
-            NOT_ATTEMPTED,
-            f"{' or '.join(exercise.functions)} raised NotImplementedError",
-            **common,
-        )
-    hint = exercise.raise_hints.get(
-        failure.exc_type, "read the traceback: its last lines are in your function"
-    )
-    return CheckResult(
-        name,
-        FAILED,
-        f"{where} raised {failure.exc_type}: {failure.message}\n\n"
-        f"Traceback (in rank {failure.rank}):\n{failure.where}",
-        hint=hint + ".",
-        **common,
-    )
-
-
-def _hung(name: str, exercise: _Exercise, exc: WorkerTimeout, timeout: float) -> CheckResult:
-    lines = [
-        f"Did not finish within {timeout:g} s; rank(s) {exc.running} were still running and "
-        f"were stopped."
-    ]
-    for rank in exc.running:
-        stack = (exc.stacks.get(rank) or "").splitlines()
-        # The frames above the checker's call of the learner's function are the learner's.
-        inside = next(
-            (i for i, line in enumerate(stack) if "_exercise_cases" in line and "_call" in line),
-            None,
-        )
-        if not stack:
-            lines.append(f"Rank {rank}: no stack came back.")
-        elif inside is None:
-            lines.append(
-                f"Rank {rank} was not in your function: it had returned (or not "
-                f"started it) and waited for the other ranks."
-            )
-        else:
-            lines += [f"Where rank {rank} was waiting (innermost call first):", *stack[:inside]]
-    return CheckResult(
-        name,
-        FAILED,
-        "\n".join(lines),
-        hint=exercise.hang_hint + ".",
-        cases=exercise.cases,
-        world_size=exercise.world_size,
-    )
-
-
-def _crashed(name: str, exercise: _Exercise, exc: WorkerError) -> CheckResult:
-    return CheckResult(
-        name,
-        FAILED,
-        f"A rank died outside your function's Python code: {exc.summary}",
-        hint="the usual cause is collectives that do not match across the ranks (one rank "
-        "calls a collective the others do not, or with another size), which gloo detects and "
-        "aborts on; call the same collectives in the same order on every rank. If the "
-        "reference solution fails the same way, it is a bug in mgtutor.",
-        cases=exercise.cases,
-        world_size=exercise.world_size,
-    )
+    return _checking._check(exercise, candidates, timeout, label)

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from mgtutor import _checking, exercises
 from mgtutor import _solutions as solutions
-from mgtutor import exercises
 from mgtutor.exercises import CheckResult
 
 # The checkers serve the notebooks, which run on the newest torch only. On the 2.4.1 floor the
@@ -381,6 +381,123 @@ def buckets_never_over_the_cap(param_sizes_bytes, cap_bytes, first_cap_bytes):
     return buckets
 
 
+def shards_by_rank_only(n_samples, rank, world_size, worker_id, num_workers):
+    return list(range(rank, n_samples, world_size))
+
+
+def shards_by_worker_only(n_samples, rank, world_size, worker_id, num_workers):
+    return list(range(worker_id, n_samples, num_workers))
+
+
+def shards_rounded_down(n_samples, rank, world_size, worker_id, num_workers):
+    """Equal blocks of n // readers: the samples left over are read by nobody."""
+    per = n_samples // (world_size * num_workers)
+    start = (rank * num_workers + worker_id) * per
+    return list(range(start, start + per))
+
+
+def shards_worker_major(n_samples, rank, world_size, worker_id, num_workers):
+    """Each sample once, but the leftovers all go to rank 0's workers."""
+    return list(range(rank * num_workers + worker_id, n_samples, world_size * num_workers))
+
+
+def shards_nothing(n_samples, rank, world_size, worker_id, num_workers):
+    return range(n_samples)
+
+
+def shards_one_past_the_end(n_samples, rank, world_size, worker_id, num_workers):
+    readers = world_size * num_workers
+    return list(range(rank + world_size * worker_id + 1, n_samples + 1, readers))
+
+
+def shards_a_count(n_samples, rank, world_size, worker_id, num_workers):
+    return len(solutions.shard_indices(n_samples, rank, world_size, worker_id, num_workers))
+
+
+def serial_by_amdahl_always(kind, n, step_time_1, step_time_n):
+    """Weak scaling read as strong: the time ratio and Amdahl's law for both kinds."""
+    return (n * step_time_n / step_time_1 - 1) / (n - 1)
+
+
+def serial_by_amdahl_for_weak(kind, n, step_time_1, step_time_n):
+    speedup = n * step_time_1 / step_time_n if kind == "weak" else step_time_1 / step_time_n
+    return (n / speedup - 1) / (n - 1)
+
+
+def serial_weak_time_ratio(kind, n, step_time_1, step_time_n):
+    """Gustafson's law for weak scaling, but on t1 / tn: the factor n forgotten."""
+    if kind == "strong":
+        return solutions.serial_fraction(kind, n, step_time_1, step_time_n)
+    return (n - step_time_1 / step_time_n) / (n - 1)
+
+
+def serial_parallel_fraction(kind, n, step_time_1, step_time_n):
+    return 1 - solutions.serial_fraction(kind, n, step_time_1, step_time_n)
+
+
+def serial_clipped(kind, n, step_time_1, step_time_n):
+    return min(1.0, max(0.0, solutions.serial_fraction(kind, n, step_time_1, step_time_n)))
+
+
+def serial_speedup(kind, n, step_time_1, step_time_n):
+    return step_time_1 / step_time_n * (n if kind == "weak" else 1)
+
+
+def _flat(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def drifted_exactly(model, atol=1e-6):
+    """The reference's exchange, with == where a tolerance is needed."""
+    mine = _flat(model)
+    reference = mine.clone()
+    dist.broadcast(reference, src=0)
+    flags = torch.zeros(dist.get_world_size())
+    flags[dist.get_rank()] = float(not torch.equal(mine, reference))
+    dist.all_reduce(flags)
+    return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
+
+def drifted_by_checksum(model, atol=1e-6):
+    """Every rank's sum, gathered and compared with rank 0's, with the tolerance."""
+    sums = [None] * dist.get_world_size()
+    dist.all_gather_object(sums, float(_flat(model).double().sum()))
+    return [rank for rank, total in enumerate(sums) if abs(total - sums[0]) > atol]
+
+
+def drifted_locally(model, atol=1e-6):
+    """Each rank finds out about itself and keeps it to itself."""
+    reference = _flat(model)
+    dist.broadcast(reference, src=0)
+    drifted = (_flat(model) - reference).abs().max() > atol
+    return [dist.get_rank()] if drifted else []
+
+
+def drifted_on_rank_0_only(model, atol=1e-6):
+    result = solutions.find_drifted(model, atol)
+    return result if dist.get_rank() == 0 else None
+
+
+def drifted_from_the_mean(model, atol=1e-6):
+    mine = _flat(model)
+    mean = mine.clone()
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool((mine - mean).abs().max() > atol))
+    return [rank for rank, flag in enumerate(flags) if flag]
+
+
+def drifted_broadcast_in_place(model, atol=1e-6):
+    """Broadcasts into the parameters themselves: the drift is repaired before it is seen."""
+    before = _flat(model)
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool((before - _flat(model)).abs().max() > atol))
+    return [rank for rank, flag in enumerate(flags) if flag]
+
+
 # --- the tests ----------------------------------------------------------------------------
 
 
@@ -556,6 +673,85 @@ def test_buckets_pass_the_reference_and_catch_each_classic_mistake() -> None:
     assert _failed_with(under, "would pass the cap", "larger than its cap"), under
 
 
+def test_shard_indices_pass_the_reference_and_catch_each_classic_mistake() -> None:
+    results = exercises._check(
+        "shard_indices",
+        [
+            (solutions.shard_indices,),
+            (shards_by_rank_only,),
+            (shards_by_worker_only,),
+            (shards_rounded_down,),
+            (shards_worker_major,),
+            (shards_nothing,),
+            (shards_one_past_the_end,),
+            (shards_a_count,),
+        ],
+    )
+    reference, rank_only, worker_only, rounded, worker_major, nothing, past, count = results
+    assert reference.passed, reference
+    assert _failed_with(rank_only, "rank 0's worker 1", "whole shard", "by rank only"), rank_only
+    assert _failed_with(worker_only, "rank 1's worker 0", "by worker only"), worker_only
+    assert _failed_with(rounded, "read by nobody: [8, 9], the last ones", "left over"), rounded
+    assert _failed_with(
+        worker_major, "rank 0 read 6, rank 1 read 4", "rank * num_workers + worker_id"
+    ), worker_major
+    assert _failed_with(nothing, "every worker of every rank", "nothing is split"), nothing
+    assert _failed_with(past, "sample 10 was read, which does not exist"), past
+    assert _failed_with(count, "returned int", "a list of ints"), count
+
+
+def test_serial_fraction_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    results = exercises._check(
+        "serial_fraction",
+        [
+            (solutions.serial_fraction,),
+            (serial_by_amdahl_always,),
+            (serial_by_amdahl_for_weak,),
+            (serial_weak_time_ratio,),
+            (serial_parallel_fraction,),
+            (serial_clipped,),
+            (serial_speedup,),
+        ],
+    )
+    reference, amdahl_always, amdahl_weak, ratio, parallel, clipped, speedup = results
+    assert reference.passed, reference
+    assert _failed_with(amdahl_always, "weak, 4 ranks", "time ratio, read with amdahl"), (
+        amdahl_always
+    )
+    assert _failed_with(amdahl_weak, "weak, 4 ranks", "amdahl's law", "read with gustafson's"), (
+        amdahl_weak
+    )
+    assert _failed_with(ratio, "weak, 4 ranks", "n x t1 / tn, not t1 / tn"), ratio
+    assert _failed_with(parallel, "strong, 4 ranks", "returned 0.9", "parallel fraction"), parallel
+    assert _failed_with(clipped, "slower than 1", "returned 1, expected 1.4", "do not clip"), (
+        clipped
+    )
+    assert _failed_with(speedup, "strong, 4 ranks", "that is the speedup"), speedup
+
+
+def test_find_drifted_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    results = exercises._check(
+        "find_drifted",
+        [
+            (solutions.find_drifted,),
+            (drifted_exactly,),
+            (drifted_by_checksum,),
+            (drifted_locally,),
+            (drifted_on_rank_0_only,),
+            (drifted_from_the_mean,),
+            (drifted_broadcast_in_place,),
+        ],
+    )
+    reference, exact, checksum, local, rank_0, mean, in_place = results
+    assert reference.passed, reference
+    assert _failed_with(exact, "last bit", "returned [1], expected []", "with a tolerance"), exact
+    assert _failed_with(checksum, "swapped", "same sum", "element by element"), checksum
+    assert _failed_with(local, "rank 0: returned [], expected [2]", "share the verdicts"), local
+    assert _failed_with(rank_0, "rank 1: returned None", "not only rank 0"), rank_0
+    assert _failed_with(mean, "rank 0 is in the list", "not the majority or the mean"), mean
+    assert _failed_with(in_place, "parameters changed", "into a copy"), in_place
+
+
 def test_a_stub_is_not_attempted_and_shows_the_reference_passing() -> None:
     def exact_accuracy(correct, sampler):
         """Your answer."""
@@ -593,8 +789,8 @@ def test_stubs_are_recognized_without_running() -> None:
         print(x)
         raise NotImplementedError
 
-    assert exercises._is_stub(stub) and exercises._is_stub(documented_stub)
-    assert not exercises._is_stub(started) and not exercises._is_stub(solutions.ring_average)
+    assert _checking._is_stub(stub) and _checking._is_stub(documented_stub)
+    assert not _checking._is_stub(started) and not _checking._is_stub(solutions.ring_average)
     with pytest.raises(TypeError, match="pass the function itself"):
         exercises.check_ring_average(None)
 

@@ -30,7 +30,10 @@ from mgtutor._exercise_cases import (
     buckets,
     bytes_per_rank,
     checked_all_reduce,
+    drift,
     ring,
+    scaling,
+    shards,
     snapshot,
 )
 from mgtutor._exercise_cases._common import Finding, LearnerFailed
@@ -40,7 +43,10 @@ from mgtutor._exercise_cases.batch_stats import BATCH_STATS_CASES
 from mgtutor._exercise_cases.buckets import BUCKET_CASES
 from mgtutor._exercise_cases.bytes_per_rank import BYTES_CASES
 from mgtutor._exercise_cases.checked_all_reduce import CHECKED_CASES
+from mgtutor._exercise_cases.drift import DRIFT_CASES
 from mgtutor._exercise_cases.ring import RING_CASES
+from mgtutor._exercise_cases.scaling import SCALING_CASES
+from mgtutor._exercise_cases.shards import SHARD_CASES
 from mgtutor._exercise_cases.snapshot import SNAPSHOT_EPOCHS, TrainingJob
 
 __all__ = [
@@ -50,8 +56,11 @@ __all__ = [
     "BUCKET_CASES",
     "BYTES_CASES",
     "CHECKED_CASES",
+    "DRIFT_CASES",
     "EXERCISE_RUNNERS",
     "RING_CASES",
+    "SCALING_CASES",
+    "SHARD_CASES",
     "SNAPSHOT_EPOCHS",
     "Finding",
     "LearnerFailed",
@@ -68,6 +77,9 @@ EXERCISE_RUNNERS: dict[str, Callable[[bytes, int, str | None], list[Finding]]] =
     "checked_all_reduce": checked_all_reduce.run,
     "bytes_per_rank": bytes_per_rank.run,
     "assign_buckets": buckets.run,
+    "shard_indices": shards.run,
+    "serial_fraction": scaling.run,
+    "find_drifted": drift.run,
 }
 
 
