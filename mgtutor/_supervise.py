@@ -200,7 +200,7 @@ class Supervisor:
                     self._raise_timeout(targets, timeout, start_timeout, starting=True)
         except KeyboardInterrupt:
             if keep and not self.stopped:
-                self._interrupt(call, targets)
+                self._interrupt(targets)
             else:
                 self._stop_on_interrupt()
             raise
@@ -355,10 +355,7 @@ class Supervisor:
             The sentence to report (None when a rank died meanwhile: the caller stops them
             all), and the doctor's diagnosis when some ranks were stuck.
         """
-        until = time.monotonic() + _PEER_GRACE_S
-        while time.monotonic() < until and not all(h.answered for h in targets):
-            self._pump(0.05)
-            self._reap()
+        self._wait_answered(targets, _PEER_GRACE_S)
         if any(h.error is None and h.failed_at is not None for h in self.handles):
             return None, None  # one died meanwhile
         stuck = [h for h in targets if not h.answered]
@@ -378,9 +375,7 @@ class Supervisor:
                 f"wait in a collective rank {first.rank} will never reach.{where}",
             )
             return cleanup, diagnosis
-        deadline = time.monotonic() + _DRAIN_GRACE_S
-        while time.monotonic() < deadline and not all(h.output.relayed(h.call) for h in targets):
-            self._pump(0.05)
+        self._wait_relayed(targets)
         others = [h for h in targets if h is not first]
         also = [str(h.rank) for h in others if h.error is not None]
         fine = [str(h.rank) for h in others if h.done is not None]
@@ -502,7 +497,7 @@ class Supervisor:
                 break
         return {h.rank: _format_stack(bytes(h.output.diag), h.main_ident) for h in ranks}
 
-    def _interrupt(self, call: int, targets: list[RankHandle]) -> None:
+    def _interrupt(self, targets: list[RankHandle]) -> None:
         """Ctrl+C in a pool: interrupt fn on every rank; stop them all if that fails."""
         busy = [h for h in targets if not h.answered]
         for h in busy:
@@ -510,11 +505,8 @@ class Supervisor:
                 os.kill(h.process.pid, signal.SIGINT)
             except (ProcessLookupError, TypeError):
                 pass
-        until = time.monotonic() + _INTERRUPT_GRACE_S
         try:
-            while time.monotonic() < until and not all(h.answered for h in targets):
-                self._pump(0.05)
-                self._reap()
+            self._wait_answered(targets, _INTERRUPT_GRACE_S)
         except KeyboardInterrupt:
             pass  # pressed again: stop them below
         stuck = [h for h in targets if not h.answered]
@@ -528,9 +520,7 @@ class Supervisor:
                 f"(native code such as a collective cannot be interrupted). {cleanup}"
             )
         else:
-            deadline = time.monotonic() + _DRAIN_GRACE_S
-            while time.monotonic() < deadline and not all(h.output.relayed(call) for h in targets):
-                self._pump(0.05)
+            self._wait_relayed(targets)
             message = "Interrupted: fn stopped on every rank; the pool's ranks are kept."
         if self.board is not None:
             self.board.finish(-1)
@@ -544,6 +534,19 @@ class Supervisor:
             self.board.finish(-1)
 
     # --- the end ----------------------------------------------------------------------------
+
+    def _wait_answered(self, targets: list[RankHandle], seconds: float) -> None:
+        """Relay and reap until every target answered its call (or ended), or ``seconds``."""
+        until = time.monotonic() + seconds
+        while time.monotonic() < until and not all(h.answered for h in targets):
+            self._pump(0.05)
+            self._reap()
+
+    def _wait_relayed(self, targets: list[RankHandle]) -> None:
+        """Relay until each target's output of its call reached its end marker, or a grace."""
+        until = time.monotonic() + _DRAIN_GRACE_S
+        while time.monotonic() < until and not all(h.output.relayed(h.call) for h in targets):
+            self._pump(0.05)
 
     def _drain(self, grace: float) -> None:
         """Relay what the ranks wrote before they ended, until their pipes close or ``grace``."""
