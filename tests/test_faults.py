@@ -90,6 +90,7 @@ def test_timeout_does_not_count_start_up_and_start_timeout_limits_it() -> None:
     assert "pass a larger start_timeout" in str(info.value)
 
 
+@pytest.mark.any_start_method  # the limit is counted in the notebook, the same for both
 def test_no_timeout_means_no_limit_once_started() -> None:
     # fn runs well past start_timeout: that limit is for the start only, and timeout=None
     # (the default) sets none on fn.
