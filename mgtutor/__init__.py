@@ -38,6 +38,9 @@ Importing mgtutor does not import torch or matplotlib: every worker imports this
 first, and a worker's start-up time is the floor of every launch.
 """
 
+import os
+import sys
+
 from mgtutor.checkpoint import load_checkpoint, save_checkpoint
 from mgtutor.errors import WorkerError, WorkerTimeout
 from mgtutor.hardware import HardwareInfo, describe_hardware
@@ -115,8 +118,29 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY_MODULES) | set(_LAZY_NAMES))
 
 
+def _start_server_in_a_kernel() -> None:
+    # In a Jupyter kernel a launch nearly always follows: start the ranks' forkserver now, so
+    # that its imports overlap with the notebook's first cells (see _processes.start_server_early).
+    # Not in scripts, not in ranks, and never at the cost of the import itself.
+    import multiprocessing
+
+    if "ipykernel" not in sys.modules or multiprocessing.current_process().name != "MainProcess":
+        return
+    if os.environ.get("MGTUTOR_EARLY_SERVER", "1") == "0":
+        return
+    try:
+        from mgtutor import _processes
+
+        _processes.start_server_early()
+    except Exception:  # an optimisation only: the first launch starts the server otherwise
+        pass
+
+
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext mgtutor``: add the ``%%ddp`` cell magic (see :mod:`mgtutor.magic`)."""
     from mgtutor.magic import load_ipython_extension as load
 
     load(ipython)
+
+
+_start_server_in_a_kernel()

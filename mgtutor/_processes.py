@@ -255,6 +255,22 @@ def start_rank(
     return handle
 
 
+def start_server_early() -> None:
+    """Start the forkserver now, in the background, unless one runs already.
+
+    The server's imports (torch, torch._dynamo, mgtutor's rank code: several seconds on a small
+    machine) then run while the notebook does its own first cells, on another core, instead of
+    delaying the first launch. Nothing waits here: multiprocessing connects to the server at the
+    first launch (which waits for the imports only if they are not done). A server that is never
+    used ends with this process, as any forkserver does.
+    """
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(list(_FORKSERVER_PRELOAD))
+    forkserver.ensure_running()
+
+
 def context_for(method: str) -> Any:
     """The multiprocessing context that starts ranks with ``method``, its server preloaded."""
     import torch.multiprocessing as mp

@@ -62,7 +62,7 @@ def test_hang_past_timeout_names_ranks_and_shows_stacks() -> None:
             time.sleep(3600)
 
     with pytest.raises(mgtutor.WorkerTimeout) as info:
-        mgtutor.launch(work, world_size=2, timeout=10)
+        mgtutor.launch(work, world_size=2, timeout=5)
     error = info.value
     assert error.running == [0, 1]
     assert "dist.all_reduce(torch.ones(1))" in error.stacks[0]

@@ -225,16 +225,50 @@ def test_a_pool_starts_after_cuda_was_used_in_the_notebook() -> None:
 
 def test_a_script_that_never_closes_its_pool_still_exits(tmp_path) -> None:
     # multiprocessing joins non-daemon children at exit; mgtutor closes open pools before that.
+    # Nothing outlives the script: not its ranks, not the forkserver that forked them (a launch
+    # is a pool that runs one call, so this covers launch's server too).
     script = tmp_path / "forgets.py"
     script.write_text(
-        "import os\nimport mgtutor\n"
+        "import os\nimport psutil\nimport mgtutor\n"
         "if __name__ == '__main__':\n"
         "    pool = mgtutor.Pool(world_size=2)\n"
         "    print(*pool.run(os.getpid).results, flush=True)\n"
+        "    print(*[p.pid for p in psutil.Process().children()\n"
+        "            if 'forkserver import main' in ' '.join(p.cmdline())], flush=True)\n"
     )
     done = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=os.getcwd()
     )
     assert done.returncode == 0, done.stderr
-    pids = [int(p) for p in done.stdout.split()]
-    assert len(pids) == 2 and not any(psutil.pid_exists(p) for p in pids)
+    ranks, servers = ([int(p) for p in line.split()] for line in done.stdout.splitlines())
+    assert len(ranks) == 2 and not any(psutil.pid_exists(p) for p in ranks)
+    assert len(servers) == 1, done.stdout
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and psutil.pid_exists(servers[0]):
+        time.sleep(0.1)
+    assert not psutil.pid_exists(servers[0]), "the forkserver outlived the process that made it"
+
+
+def test_the_forkserver_starts_at_import_in_a_kernel_only() -> None:
+    # In a Jupyter kernel, importing mgtutor starts the ranks' server at once, in the background
+    # (its imports overlap the notebook's first cells); in a script, importing starts nothing.
+    probe = (
+        "import sys, types\n"
+        "if sys.argv[1] == 'kernel':\n"
+        "    sys.modules['ipykernel'] = types.ModuleType('ipykernel')\n"
+        "import mgtutor\n"
+        "from multiprocessing import forkserver\n"
+        "server = forkserver._forkserver._forkserver_pid\n"
+        "print(server, flush=True)\n"
+        "if server:\n"
+        "    import os, signal\n"
+        "    os.kill(server, signal.SIGKILL)  # a probe: do not leave it importing torch\n"
+    )
+    seen = {}
+    for where in ("kernel", "script"):
+        done = subprocess.run(
+            [sys.executable, "-c", probe, where], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        seen[where] = done.stdout.strip()
+    assert seen["kernel"].isdigit() and seen["script"] == "None", seen
