@@ -316,8 +316,7 @@ def keep_destroyed_groups() -> None:
 def _destroy_holds_gil() -> bool:
     import torch
 
-    release = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-    return release < _FIXED_IN
+    return torch.__version__ < _FIXED_IN  # a TorchVersion: compares with a tuple
 
 
 def guard_destroy() -> None:
