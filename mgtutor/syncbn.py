@@ -12,7 +12,9 @@ and can be read in one sitting:
 
 * forward, in training: every rank sums x and x² per channel and counts its values; one
   all-reduce adds these up across ranks; every rank then normalizes with the global mean and
-  variance and updates its running statistics identically.
+  variance and updates its running statistics identically. The squares are formed around the
+  rank's own mean, not as x² (see ``_local_sums``), so float32 and bfloat16 inputs whose mean is
+  large against their spread keep their variance.
 * backward: the gradient of a normalized value depends on every sample of the channel through
   the mean and variance, so it needs two per-channel sums of the gradient over the global batch;
   a second all-reduce adds them up.
@@ -45,12 +47,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
-# The per-channel sums travel and are combined in float64. Variance computed as
-# E[x²] - E[x]² subtracts two large, nearly equal numbers when the mean is large compared with
-# the spread, and in float32 most of the digits cancel (torch's CUDA kernel avoids this with
-# Welford's algorithm). Sums, unlike Welford's running means, combine across ranks by plain
-# addition, so a single all-reduce works even when ranks hold different numbers of samples;
-# float64 keeps them accurate, and keeps the sample count exact, for the price of a few bytes.
+# The per-channel sums travel and are combined in float64: sums, unlike Welford's running means,
+# combine across ranks by plain addition, so one all-reduce works even when ranks hold different
+# numbers of samples, and float64 keeps the sample count exact and the final E[x²] - E[x]²
+# accurate (its cancellation costs about log10(mean² / var) of float64's 16 digits).
 _STATS_DTYPE = torch.float64
 
 
@@ -93,14 +93,27 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         momentum: float,
         process_group: dist.ProcessGroup | None,
     ) -> Tensor:
-        channels = input.shape[1]
-        dims = [0, *range(2, input.dim())]  # every dimension but the channels
+        channels, ndim = input.shape[1], input.dim()
+        dims = [0, *range(2, ndim)]  # every dimension but the channels
+        # Half-precision inputs are computed in float32, as torch's own kernels do.
+        compute_dtype = torch.promote_types(input.dtype, torch.float32)
         # A rank with no samples still takes part: its zeros keep the all-reduce from hanging.
         local_count = input.numel() // channels
+        local_sum = input.sum(dims, dtype=_STATS_DTYPE)
+        # Each channel centred on this rank's own mean, rounded: shift. Squaring x itself would
+        # lose the variance when the mean is large against the spread (float32 values near 1e4
+        # with a spread of 1: each x² near 1e8 is rounded by up to 4, and the variance is 1).
+        # The deviations x - shift are small, so their squares keep every digit, and
+        # Σx² = Σ(x - shift)² + shift·(2·Σx - n·shift) is recovered in float64.
+        shift = (local_sum / max(local_count, 1)).to(compute_dtype)
+        centred = input.to(compute_dtype) - _per_channel(shift, ndim)
+        shift = shift.to(_STATS_DTYPE)
+        local_sum_sq = centred.square().sum(dims, dtype=_STATS_DTYPE)
+        local_sum_sq += shift * (2 * local_sum - local_count * shift)
         stats = torch.cat(
             [
-                input.sum(dims, dtype=_STATS_DTYPE),
-                (input * input).sum(dims, dtype=_STATS_DTYPE),
+                local_sum,
+                local_sum_sq,
                 torch.tensor([local_count], dtype=_STATS_DTYPE, device=input.device),
             ]
         )
@@ -125,25 +138,30 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
             running_var.mul_(1 - momentum).add_(unbiased_var.to(running_var.dtype), alpha=momentum)
 
-        ndim = input.dim()
-        invstd = torch.rsqrt(var + eps).to(input.dtype)
-        x_hat = (input - _per_channel(mean.to(input.dtype), ndim)) * _per_channel(invstd, ndim)
+        # x - mean = (x - shift) - (mean - shift): both terms small, so no digit is lost to a
+        # large mean. Returned in the input's dtype.
+        invstd = torch.rsqrt(var + eps).to(compute_dtype)
+        x_hat = centred - _per_channel((mean - shift).to(compute_dtype), ndim)
+        x_hat = x_hat * _per_channel(invstd, ndim)
         output = x_hat
         if weight is not None:
-            output = output * _per_channel(weight, ndim)
+            output = output * _per_channel(weight.to(compute_dtype), ndim)
         if bias is not None:
-            output = output + _per_channel(bias, ndim)
+            output = output + _per_channel(bias.to(compute_dtype), ndim)
 
         ctx.save_for_backward(x_hat, weight, invstd)
         ctx.count = n
         ctx.process_group = process_group
-        return output
+        ctx.input_dtype = input.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return output.to(input.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         x_hat, weight, invstd = ctx.saved_tensors
         channels, ndim = x_hat.shape[1], x_hat.dim()
         dims = [0, *range(2, ndim)]
+        grad_output = grad_output.to(x_hat.dtype)  # the compute dtype of forward
         sum_dy = grad_output.sum(dims, dtype=_STATS_DTYPE)
         sum_dy_xhat = (grad_output * x_hat).sum(dims, dtype=_STATS_DTYPE)
 
@@ -155,13 +173,17 @@ class _SyncBatchNormFunction(torch.autograd.Function):
             sums = torch.cat([sum_dy, sum_dy_xhat])  # a copy: the local sums are still needed
             dist.all_reduce(sums, group=ctx.process_group)
             mean_dy, mean_dy_xhat = (sums / ctx.count).to(x_hat.dtype).split(channels)
-            scale = invstd if weight is None else weight * invstd
+            scale = invstd if weight is None else weight.to(invstd.dtype) * invstd
             grad_input = _per_channel(scale, ndim) * (
                 grad_output - _per_channel(mean_dy, ndim) - x_hat * _per_channel(mean_dy_xhat, ndim)
             )
+            grad_input = grad_input.to(ctx.input_dtype)
 
-        grad_weight = sum_dy_xhat.to(x_hat.dtype) if ctx.needs_input_grad[1] else None
-        grad_bias = sum_dy.to(x_hat.dtype) if ctx.needs_input_grad[2] else None
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = sum_dy_xhat.to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_bias = sum_dy.to(ctx.bias_dtype)
         # One gradient per argument of forward; the buffers, eps, momentum and group get none.
         return grad_input, grad_weight, grad_bias, None, None, None, None, None
 

@@ -64,6 +64,39 @@ CASES = {
 }
 
 
+# Inputs whose mean is large against their spread, in the dtypes models train in. The variance
+# must survive: forming x² in float32 (the bug this guards against) gave a relative error of
+# 1e-1 for the float32 case, torch's own float32 BatchNorm 2.4e-7.
+LOW_PRECISION = {
+    "float32, mean 1e4": (torch.float32, 1e4),
+    "bfloat16, mean 1e2": (torch.bfloat16, 1e2),
+}
+LOW_PRECISION_SPLIT = (3, 5)
+
+
+def _low_precision_case(dtype: torch.dtype, mean: float) -> dict[str, Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {
+        "x": (mean + torch.randn(8, 4, 16, 16, generator=gen, dtype=torch.float64)).to(dtype),
+        "grad": torch.randn(8, 4, 16, 16, generator=gen, dtype=torch.float64).to(dtype),
+    }
+
+
+def _low_precision_step(layer: nn.Module, x: Tensor, grad: Tensor) -> dict[str, Tensor]:
+    """One training step; float32 parameters and buffers, whatever the input's dtype."""
+    x = x.clone().requires_grad_()
+    y = layer(x)
+    (y.double() * grad.double()).sum().backward()
+    return {
+        "y": y.detach(),
+        "x_grad": x.grad,
+        "weight_grad": layer.weight.grad,
+        "bias_grad": layer.bias.grad,
+        "running_mean": layer.running_mean,
+        "running_var": layer.running_var,
+    }
+
+
 def _make_layer(case: dict[str, Any], sync: bool) -> nn.Module:
     shape = case["x"].shape[1:]
     layer_class = SyncBatchNorm if sync else REFERENCE[len(shape)]
@@ -140,6 +173,13 @@ def _train_worker(
             for name, case in cases.items()
         }
         result[split]["all_reduce counts"] = _count_all_reduces(3, cases["NCHW"]["x"][0][lo:hi])
+
+    lo = sum(LOW_PRECISION_SPLIT[:rank])
+    hi = lo + LOW_PRECISION_SPLIT[rank]
+    for name, (dtype, mean) in LOW_PRECISION.items():
+        case = _low_precision_case(dtype, mean)
+        layer = SyncBatchNorm(4, momentum=1.0)  # running statistics: this batch's exactly
+        result[name] = _low_precision_step(layer, case["x"][lo:hi], case["grad"][lo:hi])
 
     # One value per channel in the whole batch: rank 0 holds one sample, the others none.
     try:
@@ -227,6 +267,33 @@ def test_one_all_reduce_per_layer_in_forward_and_one_in_backward(splits: tuple[i
             "backward, input from data": 1,
             "eval": 0,
         }
+
+
+@pytest.mark.parametrize("name", LOW_PRECISION)
+def test_low_precision_inputs_with_a_large_mean_keep_their_variance(name: str) -> None:
+    dtype, mean = LOW_PRECISION[name]
+    case = _low_precision_case(dtype, mean)
+    # The exact answer: one BatchNorm over all 8 samples, in float64, on the same values.
+    reference = nn.BatchNorm2d(4, momentum=1.0, dtype=torch.float64)
+    want = _low_precision_step(reference, case["x"].double(), case["grad"])
+    ranks = [r[name] for r in _launch_training()]
+    for key in ("running_mean", "running_var"):
+        assert torch.equal(ranks[0][key], ranks[1][key]), key
+    error = ((ranks[0]["running_var"].double() - want["running_var"]) / want["running_var"]).abs()
+    # float32 buffers: rounding them alone is 6e-8; the old x² sums were off by 1e-1.
+    assert error.max() < 1e-6, f"running_var relative error {error.max():.1e}"
+    torch.testing.assert_close(ranks[0]["running_mean"].double(), want["running_mean"])
+    y = torch.cat([r["y"] for r in ranks])
+    x_grad = torch.cat([r["x_grad"] for r in ranks])
+    assert y.dtype == x_grad.dtype == dtype
+    # Outputs and input gradients come back in the input's dtype: within its rounding.
+    # (bfloat16: assert_close's own tolerance for it, 2^-6 relative.)
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {}
+    torch.testing.assert_close(y, want["y"].to(dtype), **tolerance)
+    torch.testing.assert_close(x_grad, want["x_grad"].to(dtype), **tolerance)
+    for key in ("weight_grad", "bias_grad"):
+        got = sum(r[key].double() for r in ranks)
+        torch.testing.assert_close(got, want[key], rtol=1e-5, atol=1e-3)
 
 
 def test_one_value_per_channel_across_all_ranks_is_an_error_on_every_rank() -> None:
