@@ -100,8 +100,9 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
 
     Phases come from :func:`mgtutor.phase` (and "allreduce" from
     :meth:`mgtutor.StepTimer.watch_allreduce`); all-reduce bars are drawn as a thin band in the
-    lower part of the row, because under DDP they overlap the backward pass. Shorter phases are
-    drawn over longer ones, so a phase timed inside another stays visible.
+    lower part of the row, because under DDP they overlap the backward pass; the moments
+    :meth:`mgtutor.StepTimer.watch_gradients` records are thin ticks. Shorter phases are drawn
+    over longer ones, so a phase timed inside another stays visible.
 
     Args:
         run: what :func:`mgtutor.launch` returned.
@@ -138,7 +139,7 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
         / max(1, sum(1 for ps in records.values() for p in ps if p.name == n))
         for n in names
     }
-    names.sort(key=lambda n: (n == "allreduce", -mean[n]))
+    names.sort(key=lambda n: (n == "gradient", n == "allreduce", -mean[n]))
     cycle = ["#b3b3b3", "#ffd92f", "#e5c494", "#1b9e77", "#7570b3"]
     colours = {n: _PHASE_COLOURS.get(n, cycle[i % len(cycle)]) for i, n in enumerate(names)}
     origin = min(p.start for phases in records.values() for p in phases)
@@ -147,10 +148,13 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
             spans = [((p.start - origin) * 1e3, p.duration * 1e3) for p in phases if p.name == name]
             if not spans:
                 continue
+            label = name if rank == 0 else None
+            if name == "gradient":  # instants (StepTimer.watch_gradients): a tick each
+                ticks = [start for start, _ in spans]
+                ax.vlines(ticks, rank - 0.4, rank + 0.4, colors="#333333", lw=0.6, label=label)
+                continue
             y, h = (rank - 0.4, 0.8) if name != "allreduce" else (rank + 0.1, 0.3)
-            ax.broken_barh(
-                spans, (y, h), facecolors=colours[name], label=name if rank == 0 else None
-            )
+            ax.broken_barh(spans, (y, h), facecolors=colours[name], label=label)
     ax.set_yticks(list(records), [f"rank {r}" for r in records])
     ax.invert_yaxis()
     ax.set_xlabel("time since the first timed phase shown (ms)")

@@ -29,7 +29,8 @@ How times are taken:
 
 The gradient all-reduce runs inside ``loss.backward()`` under DDP, overlapped with it. To see it
 as its own bars, call :meth:`StepTimer.watch_allreduce` on the DDP model: a communication hook
-then records one "allreduce" interval per gradient bucket, from launch to completion.
+then records one "allreduce" interval per gradient bucket, from launch to completion, and
+:meth:`StepTimer.watch_gradients` records the moment each parameter's gradient was written.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ class PhaseRecord:
         start: start time in seconds on the machine's monotonic clock (``perf_counter``).
         end: end time on the same clock.
         samples: for a "step" record, how many samples it processed, if told.
-        nbytes: for an "allreduce" record, the size of the bucket reduced.
+        nbytes: for an "allreduce" record, the size of the bucket reduced; for a "gradient"
+            record (an instant: start equals end), the size of the gradient.
     """
 
     name: str
@@ -204,6 +206,26 @@ class StepTimer:
             return future.then(finished)
 
         ddp_model.register_comm_hook(state=None, hook=hook)
+
+    def watch_gradients(self, module: Any) -> None:
+        """Record the moment autograd finishes each parameter's gradient, as a "gradient" record.
+
+        A post-accumulate-grad hook on every parameter of ``module`` notes when that parameter's
+        ``.grad`` was written in the current step: a record whose start and end are that moment,
+        with ``nbytes`` the gradient's size. With :meth:`watch_allreduce` the records tell
+        whether an all-reduce was launched before the step's last gradient existed.
+
+        Args:
+            module: the model whose parameters to watch (a DDP model or the module it wraps).
+        """
+        for parameter in module.parameters():
+            if parameter.requires_grad:
+                parameter.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    def _gradient_ready(self, parameter: Any) -> None:
+        now = self._now()
+        nbytes = parameter.numel() * parameter.element_size()
+        self._pending.append(("gradient", self._step, now, now, None, nbytes))
 
     def records(self) -> list[PhaseRecord]:
         """All intervals recorded so far, in the order they ended."""

@@ -78,6 +78,46 @@ def test_watch_allreduce_times_ddp_buckets_and_keeps_ddp_gradients() -> None:
     assert "allreduce" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
 
 
+def test_watch_gradients_shows_an_all_reduce_launched_before_the_last_gradient() -> None:
+    # Steps 0-2: buckets of 0.01 MiB; steps 3-5: the default buckets, one bucket for this model
+    # from the rebuild on. Only small buckets can launch before backward wrote the last gradient.
+    def work() -> None:
+        import torch
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        mgtutor.setup()
+        for cap in (0.01, None):
+            torch.manual_seed(0)
+            layers = [torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 2)]
+            model = DDP(torch.nn.Sequential(*layers), bucket_cap_mb=cap)
+            mgtutor.timer().watch_allreduce(model)
+            mgtutor.timer().watch_gradients(model)
+            for _ in range(3):
+                with mgtutor.step(samples=8):
+                    model(torch.randn(8, 64)).sum().backward()
+
+    run = mgtutor.launch(work, world_size=2)
+    records = run.timings[0]
+
+    def first_launch_before_last_gradient(step: int) -> bool:
+        launches = [p.start for p in records if p.name == "allreduce" and p.step == step]
+        gradients = [p for p in records if p.name == "gradient" and p.step == step]
+        assert len(gradients) == 6
+        assert sum(p.nbytes for p in gradients) == 4 * (2 * 64 * 65 + 2 * 65)
+        assert all(p.start == p.end for p in gradients)
+        return min(launches) < max(p.start for p in gradients)
+
+    assert [first_launch_before_last_gradient(step) for step in range(1, 6)] == [
+        True,  # small buckets: the last layers' bucket goes before the first layer's gradients
+        True,
+        False,  # step 3: every parameter in one bucket, launched after the last gradient
+        False,
+        False,
+    ]
+    legend = mgtutor.plot_timeline(run).axes[0].get_legend().get_texts()
+    assert "gradient" in [t.get_text() for t in legend]
+
+
 def _fake_run(world_size: int, cuda: bool = False, step_s: float = 0.1) -> Run:
     ranks = []
     for rank in range(world_size):

@@ -1,6 +1,7 @@
 """The whole DDP training program, with nothing but torch: copy it, change the model and the data.
 
-Run it either way (the same seeds give the same losses):
+Run it either way (the same seeds give the same losses, to rounding: with more than one worker
+torchrun sets OMP_NUM_THREADS=1, mp.spawn leaves torch's default thread count):
 
     torchrun --standalone --nproc-per-node=2 plain_ddp.py    # torchrun starts the workers
     python plain_ddp.py --spawn 2                            # mp.spawn starts them
@@ -51,7 +52,8 @@ def main(local_rank, world_size):
     # torchrun sets RANK; mp.spawn sets nothing, and on one machine rank == local_rank.
     rank = int(os.environ.get("RANK", local_rank))
     if rank == 0:
-        seen = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS")
+        seen = {name: os.environ.get(name) for name in names}
         print(f"rank 0 environment: {seen}", flush=True)
 
     # NCCL needs a GPU of its own for each worker on this machine (LOCAL_WORLD_SIZE, torchrun).
