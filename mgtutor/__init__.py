@@ -15,6 +15,8 @@ The workbook's helper package. Its modules, in the order the notebooks meet them
 * :mod:`mgtutor.memplan`: :func:`~mgtutor.memplan.breakdown`, :func:`~mgtutor.memplan.estimate`
   and :func:`plot_breakdown`, each rank's memory by category (parameters, gradients,
   optimizer state, DDP buckets), measured and computed; :func:`track` puts it in the run.
+* :mod:`mgtutor.activations`: :class:`~mgtutor.activations.LiveTensors`, the bytes a forward
+  and backward create and keep alive, measured on any device (activations on CPU ranks).
 * :mod:`mgtutor.plots`: :func:`plot_memory`, :func:`plot_timeline`, :func:`plot_step_times`,
   :func:`plot_scaling`.
 * :mod:`mgtutor.hardware`: :func:`describe_hardware`, what this machine offers.
@@ -94,7 +96,16 @@ __all__ = [
 
 # Submodules that import torch when loaded, reachable as ``mgtutor.data`` and so on after a
 # plain ``import mgtutor``: loaded on first use, since every worker imports this package first.
-_LAZY_MODULES = ("bench", "data", "exercises", "metrics", "models", "stats", "syncbn")
+_LAZY_MODULES = (
+    "activations",
+    "bench",
+    "data",
+    "exercises",
+    "metrics",
+    "models",
+    "stats",
+    "syncbn",
+)
 # Public names that live in those submodules, and the submodule each one is loaded from.
 _LAZY_NAMES = {
     "SyncBatchNorm": "syncbn",

@@ -89,11 +89,13 @@ class MemoryBreakdown:
             local optimizer's, which holds only this rank's partition).
         communication: communication buffers that stay allocated between steps: DDP's gradient
             buckets, less the part shared with gradients (``gradient_as_bucket_view=True``).
-        activations: on a GPU rank, peak allocated bytes minus the categories above (activations
-            and temporaries at the peak); None where it cannot be measured (CPU ranks) or was
-            not estimated.
+        activations: on a GPU rank, peak allocated bytes minus the categories above: activations
+            and every other temporary alive at the peak (a foreach optimizer's parameter-sized
+            temporaries, for one); None where it cannot be measured (CPU ranks) or was not
+            estimated. :class:`mgtutor.activations.LiveTensors` measures activations alone.
         transient: estimates only: buffers that exist only inside a step and are not in the
-            other categories (FSDP's unsharded parameters of the largest unit); None otherwise.
+            other categories (FSDP's unsharded parameters and gradients of the largest unit);
+            None otherwise.
         peak: the allocator's peak (``torch.cuda.max_memory_allocated``) on a GPU rank, the
             process's peak resident memory on a CPU rank, None for an estimate.
         peak_source: what ``peak`` is.
@@ -345,14 +347,15 @@ def estimate(
       gradients take the padded shard (``ceil(dim0 / world_size)`` rows, equal on every rank),
       its optimizer state only the rows it really holds (state is made with ``zeros_like`` of
       the unpadded shard). ``transient`` is the largest unit's unsharded (padded) parameters,
-      all-gathered for its forward and backward.
+      all-gathered for its forward and backward, plus its unsharded gradients, which autograd
+      makes in that unit's backward and which live until they are reduce-scattered.
 
     Adam's, AdamW's, Adagrad's and RMSprop's ``step`` counters add 4 bytes per parameter tensor
     (counted when a module is given; a bare count has no tensors to count). Left out
     everywhere: activations (they depend on the batch; see the notebook's saved-tensor count),
     the allocator's cache, mixed-precision copies, and temporaries inside a step: FSDP2 also
     holds the all-gather output before it copies it out, the reduce-scatter input in backward,
-    and prefetches the next unit, so its peak can hold two to three times ``transient``.
+    and prefetches the next unit, so its peak holds more than ``transient``.
 
     Args:
         params: a parameter count, or the module (its ``requires_grad`` parameters; buffers
@@ -444,7 +447,7 @@ def estimate(
                 gradients=padded * item,
                 optimizer_state=held * item * per_element + step_bytes * len(shapes),
                 communication=0,
-                transient=largest * item,
+                transient=2 * largest * item,
             )
         )
     return out
@@ -475,7 +478,7 @@ def plot_breakdown(
     """One stacked bar per rank: parameters, gradients, optimizer state, communication, ...
 
     Activations are stacked only where they were measured (GPU ranks); an estimate's
-    ``transient`` bytes (FSDP's all-gathered unit) are drawn hatched on top.
+    ``transient`` bytes (FSDP's unit, gathered, with its gradients) are drawn hatched on top.
 
     Args:
         breakdowns: a list indexed by rank, a dict by rank, or a dict from a label (say
@@ -521,7 +524,7 @@ def plot_breakdown(
             transient,
             0.6,
             bottom=bottom,
-            label="transient (all-gathered unit)",
+            label="transient (unit gathered, with its gradients)",
             color="white",
             edgecolor="#555555",
             hatch="//",

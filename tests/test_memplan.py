@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import matplotlib.pyplot as plt
@@ -139,7 +140,9 @@ def test_tracked_breakdown_travels_back_and_stays_until_cleared(measured):
     b = measured[1]["zero1"]
     assert isinstance(b, memplan.MemoryBreakdown) and b.device == "cpu"
     assert b.activations is None and b.peak and "SKIPPED" in " ".join(b.notes)
-    assert measured[1]["tracked_again"] == b
+    again = measured[1]["tracked_again"]
+    # The same tensors; only the process's peak RSS, read again later, may have grown.
+    assert dataclasses.replace(again, peak=b.peak) == b and again.peak >= b.peak
     assert pickle.loads(pickle.dumps(b)) == b
     assert b.total == sum(categories(b).values()) == b.as_dict()["total"]
 
@@ -186,7 +189,7 @@ def test_estimate_from_a_count():
     zero = memplan.estimate(n, world_size=4, strategy="zero1")
     assert sum(b.optimizer_state for b in zero) == 2 * n * 4
     fsdp = memplan.estimate(n, dtype=torch.bfloat16, world_size=4, strategy="fsdp")
-    assert fsdp[0].parameters == 250_001 * 2 and fsdp[0].transient == 250_001 * 4 * 2
+    assert fsdp[0].parameters == 250_001 * 2 and fsdp[0].transient == 2 * 250_001 * 4 * 2
     with pytest.raises(ValueError, match="strategy must be one of"):
         memplan.estimate(n, strategy="zero3")
     with pytest.raises(ValueError, match="optimizer must be one of"):
