@@ -80,19 +80,22 @@ class Experiment:
         self.status.value = "running with " + ", ".join(f"{k}={v}" for k, v in values.items())
         self.output.clear_output(wait=True)
         self.result, self.error = None, None
-        try:
-            with self.output:
+        # Caught inside the output area: in a notebook (an IPython shell exists) ipywidgets'
+        # Output swallows an exception that leaves it, after showing its traceback.
+        with self.output:
+            try:
                 self.result = self._run(**values)
                 if self.result is not None:
                     display(self.result)
-            self.status.value = "done: " + ", ".join(f"{k}={v}" for k, v in values.items())
-        except Exception as exc:  # shown to the learner; a click has no caller to raise to
-            self.error = exc
-            self.status.value = f"failed: {type(exc).__name__}"
-            with self.output:
+            except Exception as exc:  # shown to the learner; a click has no caller to raise to
+                self.error = exc
                 print(f"{type(exc).__name__}: {exc}")
-        finally:
-            self.button.disabled = False
+            finally:
+                self.button.disabled = False
+        if self.error is None:
+            self.status.value = "done: " + ", ".join(f"{k}={v}" for k, v in values.items())
+        else:
+            self.status.value = f"failed: {type(self.error).__name__}"
         return self.result
 
     def _ipython_display_(self) -> None:

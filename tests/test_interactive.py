@@ -30,7 +30,22 @@ def test_run_uses_the_controls_current_values() -> None:
     assert exp.status.value == "done: world_size=3, batch=32" and not exp.button.disabled
 
 
-def test_a_failing_run_is_shown_not_raised() -> None:
+@pytest.fixture(params=["plain Python", "IPython shell"])
+def shell(request):
+    """Run the test with and without an IPython shell (one exists in every notebook)."""
+    if request.param == "plain Python":
+        yield None
+        return
+    from IPython.core.interactiveshell import InteractiveShell
+
+    had_one = InteractiveShell.initialized()
+    yield InteractiveShell.instance()
+    if not had_one:
+        InteractiveShell.clear_instance()
+
+
+def test_a_failing_run_is_shown_not_raised(shell) -> None:
+    # In a notebook, ipywidgets' Output swallows an exception leaving it: caught inside it.
     def experiment(world_size):
         raise mgtutor.WorkerError("rank 1 raised ValueError: no", rank=1)
 
