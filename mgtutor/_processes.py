@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
 import socket
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 from mgtutor._messages import Context
-from mgtutor._rank import RankSpec, rank_main
+from mgtutor._rank import RankSpec, die_with_parent, rank_main
 from mgtutor._relay import RankOutput
 from mgtutor._supervise import RankHandle
 from mgtutor.worker import BACKENDS
@@ -29,7 +30,10 @@ DEFAULT_START_METHOD = "forkserver"
 # here because DDP's constructor imports it: about 2.4 s per rank on a quiet 2-core machine,
 # paid by every launch that builds a DDP model. Importing it starts no thread and asks no CUDA
 # question (checked on CPU); tests/test_gpu.py checks on GPUs that the server never loads libcuda.
+# mgtutor._processes comes first: importing it is what ties the server's life to the notebook's
+# (see _die_with_the_notebook_if_server), and the sooner the better.
 _FORKSERVER_PRELOAD = (
+    "mgtutor._processes",
     "torch",
     "torch.distributed",
     "torch._dynamo",
@@ -241,6 +245,7 @@ def start_rank(
         join_group=join_group,
         backend=backend,
         one_call=one_call,
+        parent_pid=_parent_of_ranks(ctx),
     )
     process = ctx.Process(target=rank_main, args=(spec,), name=f"mgtutor-rank-{rank}", daemon=False)
     output = RankOutput(rank, {k: r for k, (r, _) in pipes.items()})
@@ -261,14 +266,90 @@ def start_server_early() -> None:
     The server's imports (torch, torch._dynamo, mgtutor's rank code: several seconds on a small
     machine) then run while the notebook does its own first cells, on another core, instead of
     delaying the first launch. Nothing waits here: multiprocessing connects to the server at the
-    first launch (which waits for the imports only if they are not done). A server that is never
-    used ends with this process, as any forkserver does.
+    first launch (which waits for the imports only if they are not done). The server ends with
+    this process (see :func:`_ensure_server`).
     """
     import multiprocessing
-    from multiprocessing import forkserver
 
     multiprocessing.get_context("forkserver").set_forkserver_preload(list(_FORKSERVER_PRELOAD))
-    forkserver.ensure_running()
+    _ensure_server()
+
+
+# Set in this process's environment only while it starts the forkserver, so that the server
+# (and no other process) finds its parent's pid in it.
+_SERVER_PARENT_ENV = "MGTUTOR_FORKSERVER_PARENT"
+
+
+def _ensure_server() -> None:
+    """Start the forkserver unless it runs, so that it dies when this process dies.
+
+    A rank forked by the server dies with the server (die_with_parent), so the server must die
+    with the notebook: the kernel kills it when the thread that started it ends, which for the
+    main thread is when the process ends. Started from another thread (which may end first),
+    the server is not tied, and ends as multiprocessing's servers do, once no process that may
+    use it is left.
+    """
+    import threading
+    from multiprocessing import forkserver
+
+    if threading.current_thread() is not threading.main_thread():
+        forkserver.ensure_running()
+        return
+    os.environ[_SERVER_PARENT_ENV] = str(os.getpid())
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.pop(_SERVER_PARENT_ENV, None)
+
+
+def _die_with_the_notebook_if_server() -> None:
+    # Runs at import, in every process that imports mgtutor; acts in a forkserver that
+    # _ensure_server started, the first module it preloads being this one. The kernel sends
+    # SIGTERM, not SIGKILL, so that the server ends each rank's process group first: a rank
+    # killed by its own parent-death signal leaves behind the processes its fn started.
+    global _server_pid
+    parent = os.environ.pop(_SERVER_PARENT_ENV, None)
+    if parent is not None and parent.isdigit():
+        _server_pid = os.getpid()
+        signal.signal(signal.SIGTERM, _end_ranks_then_exit)
+        die_with_parent(int(parent), signal.SIGTERM)
+
+
+_server_pid: int | None = None
+
+
+def _end_ranks_then_exit(signum: int, frame: Any) -> None:
+    """The forkserver's SIGTERM: kill each rank it forked, with the rank's group, then exit."""
+    pid = os.getpid()
+    if pid != _server_pid:  # a rank forked before it put back SIGTERM's default
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(pid, signal.SIGTERM)
+        return
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            ranks = [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        ranks = []
+    for rank in ranks:
+        for kill in (os.killpg, os.kill):  # a rank leads its own group (os.setpgrp)
+            try:
+                kill(rank, signal.SIGKILL)
+            except OSError:
+                pass
+    os._exit(0)
+
+
+def _parent_of_ranks(ctx: Any) -> int | None:
+    """The parent a rank started with ``ctx`` must die with, or None (see die_with_parent)."""
+    import threading
+
+    if ctx.get_start_method() == "forkserver":
+        from multiprocessing import forkserver
+
+        return getattr(forkserver._forkserver, "_forkserver_pid", None)
+    # A spawned rank's parent is the thread that starts it: tie the rank only where that
+    # thread lives as long as the notebook.
+    return os.getpid() if threading.current_thread() is threading.main_thread() else None
 
 
 def context_for(method: str) -> Any:
@@ -281,4 +362,8 @@ def context_for(method: str) -> Any:
         # the first after the server died): it imports these once; every rank is forked from
         # it. __main__ is left out on purpose: a notebook has no file, a script must not re-run.
         ctx.set_forkserver_preload(list(_FORKSERVER_PRELOAD))
+        _ensure_server()  # now, so that each rank knows its parent's pid before it starts
     return ctx
+
+
+_die_with_the_notebook_if_server()

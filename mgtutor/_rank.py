@@ -11,7 +11,6 @@ or the notebook's end. Nothing here is public: the rank API a training function 
 from __future__ import annotations
 
 import atexit
-import builtins
 import faulthandler
 import linecache
 import os
@@ -22,12 +21,11 @@ import sys
 import threading
 import time
 import traceback
-import types
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from mgtutor import _channel
+from mgtutor import _channel, _namespace
 from mgtutor._messages import Call, Context, Done, Exit, Failed, Hello, Ready, Started, end_marker
 from mgtutor.worker import current_backend, current_device, guard_destroy, setup, teardown
 
@@ -47,16 +45,38 @@ class RankSpec:
     join_group: bool  # a pool joins the process group once, before any call
     backend: str | None
     one_call: bool  # launch: the rank exits after a failed call instead of waiting for more
+    # The process that forked this rank, whose death must end it (see die_with_parent); None
+    # where the forking thread may end before the notebook does.
+    parent_pid: int | None = None
 
 
 _keep_alive: list[Any] = []
-_namespace: dict[str, Any] = {"__name__": "__mgtutor_rank__", "__builtins__": builtins}
 _in_call = threading.Event()
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
-def namespace() -> dict[str, Any]:
-    """The rank's global namespace, kept between a pool's calls (``%%ddp`` cells run in it)."""
-    return _namespace
+def die_with_parent(parent: int | None, signum: int = signal.SIGKILL) -> bool:
+    """Have the kernel send ``signum`` when ``parent`` dies (Linux); False where it cannot.
+
+    Unlike a thread that watches a pipe, this needs nothing of the process itself: it holds
+    even for code stuck in native code with the GIL held. The kernel signals when the thread
+    that forked this process ends, which is why ``parent`` is None where that thread might end
+    before its process. If the parent died before the request was made, this process already
+    has another parent that will never signal it: it ends at once.
+    """
+    if parent is None or not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:
+        os._exit(1)
+    return True
 
 
 def _redirect_output(stdout: Connection, stderr: Connection) -> None:
@@ -78,6 +98,8 @@ def _listen(conn: Connection, commands: queue.Queue[Any]) -> None:
 
     End of file on the pipe means the notebook's process died (a kernel restart, kill -9):
     take this rank and its own children down rather than leave orphans holding memory or ports.
+    This thread cannot run while the main thread holds the GIL in native code: on Linux the
+    kernel ends the rank then (:func:`die_with_parent`); on macOS nothing does.
     """
     try:
         while True:
@@ -242,52 +264,6 @@ def _apply_context(context: Context, own: dict[str, str | None]) -> None:
         torch.set_num_threads(int(threads))
 
 
-def _in_rank_namespace(fn: Any) -> Any:
-    """fn rebound to the rank's namespace, with the notebook values it was pickled with added.
-
-    cloudpickle sends a cell's function with the globals it uses, as the notebook had them, in
-    a dict shared by every cell function of the same call; here they join the rank's namespace
-    (the notebook's values win for the names it defines), and every cell function among them
-    is rebound to that namespace too, so a helper fn calls reads the rank's names as fn does.
-    Every other name fn reads, or assigns with ``global``, is the rank's, kept between calls.
-    """
-    if not isinstance(fn, types.FunctionType):
-        return fn
-    module = sys.modules.get(fn.__module__ or "")
-    if module is not None and fn.__globals__ is getattr(module, "__dict__", None):
-        return fn  # a function of an importable module: its module is its namespace
-    sent = fn.__globals__
-    _namespace.update((k, v) for k, v in sent.items() if not k.startswith("__"))
-    memo: dict[int, Any] = {}
-    for name, value in list(_namespace.items()):
-        if isinstance(value, types.FunctionType) and value.__globals__ is sent:
-            _namespace[name] = _rebound(value, sent, memo)
-    return _rebound(fn, sent, memo)
-
-
-def _rebound(fn: types.FunctionType, sent: dict[str, Any], memo: dict[int, Any]) -> Any:
-    """fn with the rank's namespace as its globals; cell functions in its closure too."""
-    if id(fn) in memo:
-        return memo[id(fn)]
-    cells = None
-    if fn.__closure__ is not None:
-        cells = tuple(types.CellType() for _ in fn.__closure__)
-    rebound = types.FunctionType(fn.__code__, _namespace, fn.__name__, fn.__defaults__, cells)
-    memo[id(fn)] = rebound
-    for old, new in zip(fn.__closure__ or (), cells or ()):
-        try:
-            value = old.cell_contents
-        except ValueError:
-            continue  # an empty cell (a name not yet assigned where fn was made)
-        dynamic = isinstance(value, types.FunctionType) and value.__globals__ is sent
-        new.cell_contents = _rebound(value, sent, memo) if dynamic else value
-    rebound.__kwdefaults__ = fn.__kwdefaults__
-    rebound.__dict__.update(fn.__dict__)
-    rebound.__qualname__ = fn.__qualname__
-    rebound.__module__ = fn.__module__
-    return rebound
-
-
 def _tracked_breakdown() -> Any:
     """fn's tracked model and optimizer by category (mgtutor.track); None if none was tracked."""
     from mgtutor import memplan
@@ -301,21 +277,32 @@ def _tracked_breakdown() -> Any:
 
 def _run_call(call: Call, spec: RankSpec) -> Done | Failed:
     """Run one call: unpack fn, run it, measure it, pickle what it returned."""
-    from mgtutor import memory, timing
-
     if call.context is not None:
         _apply_context(call.context, spec.env)
     for filename, lines in call.sources.items():
         # Cells have no file on disk; with their text here, tracebacks show the failing line.
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    _namespace.begin_call()
     try:
         import cloudpickle
 
         fn, args, kwargs = cloudpickle.loads(call.payload)
         if call.in_namespace:
-            fn = _in_rank_namespace(fn)
+            fn = _namespace.in_rank_namespace(fn)
     except BaseException as exc:
         return _failure(exc, "could not unpack the function and its arguments", call.call)
+    answer = _measured_call(fn, args, kwargs, call, spec)
+    kept = _namespace.kept_names()
+    if kept and isinstance(answer, Failed):
+        # The notebook says it for a call that finished (Done's record); here, where it failed.
+        print(f"mgtutor: {_namespace.kept_note(kept)}", file=sys.stderr)
+    return answer
+
+
+def _measured_call(fn: Any, args: tuple, kwargs: dict, call: Call, spec: RankSpec) -> Done | Failed:
+    """Run fn once, measuring time and memory; Done with its pickled result, or Failed."""
+    from mgtutor import memory, timing
+
     rss_start = memory.current_rss()
     peak_was_reset = memory.reset_peak_rss()
     memory.reset_cuda_peaks()
@@ -347,6 +334,7 @@ def _run_call(call: Call, spec: RankSpec) -> Done | Failed:
             "breakdown": _tracked_breakdown(),
             "timings": timing.collect_records(clear=True),
             "children": _children(),
+            "kept": _namespace.kept_names(),
         }
         if spec.one_call:
             # A launch's rank answers and exits, as its peers do: its record of collectives goes
@@ -374,6 +362,8 @@ def _start_doctor() -> None:
 
 def rank_main(spec: RankSpec) -> None:
     """The rank process: start up, join the group if asked, run calls until told to exit."""
+    die_with_parent(spec.parent_pid)  # first: a rank must never outlive its notebook
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the forkserver's (see _processes)
     os.setpgrp()  # one process group per rank, so cleanup reaches the rank's own children
     signal.signal(signal.SIGINT, _interrupt)
     _redirect_output(spec.stdout, spec.stderr)

@@ -2,7 +2,8 @@
 
 A function defined in a notebook cell cannot be pickled by name (the ranks have no such
 module), so it is pickled *by value* with cloudpickle, with the globals it uses; the text of the
-notebook's cells goes along, so that a rank's traceback can show the cell's lines.
+notebook's cells goes along, so that a rank's traceback can show the cell's lines; and the
+notebook's environment, of which some variables act only when a process group is made.
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from typing import Any
 from mgtutor._messages import Context
 
 _MAX_SOURCE_BYTES = 2_000_000
+# Variables that act only when a process group is made: changed after the pool's ranks made
+# theirs, they do nothing until new ranks make a new one.
+_GROUP_NAMES = ("TORCH_DISTRIBUTED_DEBUG", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+_GROUP_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "TORCH_GLOO_")
 
 
 def context_now() -> Context:
@@ -66,3 +71,18 @@ def cell_sources() -> dict[str, list[str]]:
         size += cost
         sources[filename] = lines
     return sources
+
+
+def group_variables(environ: dict[str, str]) -> dict[str, str]:
+    """The variables torch reads only when a process group is made."""
+    return {k: v for k, v in environ.items() if k in _GROUP_NAMES or k.startswith(_GROUP_PREFIXES)}
+
+
+def changes(before: dict[str, str], after: dict[str, str]) -> str:
+    """``NAME (before -> after)`` for each variable that differs, for a note to the learner."""
+
+    def shown(env: dict[str, str], name: str) -> str:
+        return repr(env[name]) if name in env else "unset"
+
+    names = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    return ", ".join(f"{k} ({shown(before, k)} -> {shown(after, k)})" for k in names)

@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from mgtutor import _processes, _send
+from mgtutor import _namespace, _processes, _send
 from mgtutor._messages import Call, Exit
 from mgtutor._supervise import RankHandle, Supervisor
 from mgtutor.doctor import DUMP_PATH_ENV
@@ -68,6 +68,14 @@ def _close_open_pools() -> None:
 
 class Pool:
     """``world_size`` ranks started once and kept, each with its own namespace.
+
+    The namespace rule: a rank's own names (what its calls assign with ``global``, what
+    ``push`` sets, what ``%%ddp`` cells assign) are never replaced; any other name fn reads
+    comes from the notebook, as it is at the call. So ``lr = 0.1`` in the notebook reaches a
+    function that reads ``lr``, and ``lr = 0.2`` reaches the next call; a ``model`` that an
+    earlier call made on the ranks stays theirs even if the notebook defines a ``model`` of its
+    own (the notebook says, on stderr, when a value it has was not used for that reason); and
+    ``push`` always takes effect. To replace a rank's own name, push it or assign it in a call.
 
     Args:
         world_size: number of ranks.
@@ -120,6 +128,10 @@ class Pool:
         # Where each relayed line also goes during a call (``sink(rank, stream, text)``):
         # %%ddp's per-rank tabs.
         self._sink: Callable[[int, str, str], None] | None = None
+        # How the notes printed by a call tell the learner to push a value or start new ranks
+        # (%%ddp says it in its own words).
+        self._push_advice = "pool.push({pairs})"
+        self._restart_advice = "pool.restart()"
         self._start()
         _open_pools.add(self)
 
@@ -140,6 +152,7 @@ class Pool:
         context = _send.context_now()
         # What the ranks already have: a call sends only what changed (cheaper round trips).
         self._context_sent = context
+        self._group_environ = self._group_environ_said = _send.group_variables(context.environ)
         self._sources_sent: set[str] = set()
         try:
             with _processes.main_not_reimported():
@@ -215,9 +228,11 @@ class Pool:
         """Run ``fn(*args, **kwargs)`` on every rank (or on ``ranks``) and wait for all.
 
         fn may be defined in a cell, a closure or a lambda. It runs with the rank's own global
-        namespace: names it assigns with ``global`` stay for the next call, and the notebook
-        values it uses are copied in at each call (the notebook's value wins for a name the
-        notebook defines too).
+        namespace: names it assigns with ``global`` stay for the next call and are never
+        replaced by the notebook's; a name the rank does not have is the notebook's, as it is
+        now (see the class's namespace rule). Variables that act only when a process group is
+        made (``TORCH_DISTRIBUTED_DEBUG``, ``TORCH_FR_BUFFER_SIZE``, ``NCCL_*``, ``GLOO_*``)
+        changed after the pool started are reported at the next call: ``restart`` applies them.
 
         Args:
             fn: the work of one rank.
@@ -264,6 +279,8 @@ class Pool:
         context = _send.context_now()
         changed = context != self._context_sent
         self._context_sent = context
+        if changed:
+            self._say_group_variables_changed(context.environ)
         call = Call(
             self._calls,
             payload,
@@ -281,7 +298,39 @@ class Pool:
         supervisor.run_call(
             call.call, handles, board, timeout, self.start_timeout, keep=not self._one_call
         )
+        self._say_kept_names(handles)
         return _build_run(handles, self.world_size, started, time.perf_counter())
+
+    def _say_group_variables_changed(self, environ: dict[str, str]) -> None:
+        """Say once, at the call after the change, that a group variable does nothing yet."""
+        now = _send.group_variables(environ)
+        if not self.join_group or self._one_call or now == self._group_environ_said:
+            return
+        self._group_environ_said = now
+        if now == self._group_environ:
+            return
+        print(
+            f"mgtutor: changed since this pool's ranks made their process group: "
+            f"{_send.changes(self._group_environ, now)}. These act only when a process group is "
+            f"made, so the running ranks do not use the new values; "
+            f"{self._restart_advice} starts new ranks that do (what the ranks hold is lost).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _say_kept_names(self, handles: list[RankHandle]) -> None:
+        """Name the notebook values a call did not use because ranks have their own."""
+        by_name: dict[str, list[int]] = {}
+        for h in handles:
+            for name in h.done.record.get("kept", ()) if h.done is not None else ():
+                by_name.setdefault(name, []).append(h.rank)
+        for ranks in sorted({tuple(r) for r in by_name.values()}):
+            names = [n for n, r in by_name.items() if tuple(r) == ranks]
+            note = _namespace.kept_note(names, f"rank(s) {', '.join(map(str, ranks))}")
+            advice = self._push_advice.format(
+                pairs=", ".join(f"{n}={n}" for n in names), names=" ".join(names)
+            )
+            print(f"mgtutor: {note}. To send the notebook's: {advice}.", file=sys.stderr)
 
     def _targets(self, ranks: Sequence[int] | None) -> list[int]:
         if ranks is None:
@@ -307,13 +356,16 @@ class Pool:
     def push(self, ranks: Sequence[int] | None = None, **values: Any) -> None:
         """Set names in each rank's namespace: ``pool.push(lr=0.1)``.
 
+        Pushed names are the rank's own: later calls read them even where the notebook has a
+        name of its own with another value (and say so).
+
         Args:
             ranks: only these ranks (default: all).
             **values: name=value pairs; each rank gets its own copy.
         """
         if not values:
             raise ValueError("push needs name=value pairs, e.g. pool.push(lr=0.1)")
-        self.run(_set_names, values, ranks=ranks)
+        self.run(_namespace.set_names, values, ranks=ranks)
 
     def pull(self, name: str, ranks: Sequence[int] | None = None) -> list[Any]:
         """Each rank's value of ``name`` (from its namespace), in rank order.
@@ -321,23 +373,7 @@ class Pool:
         Raises:
             WorkerError: a rank has no such name (the pool is kept).
         """
-        return self.run(_get_name, name, ranks=ranks).results
-
-
-def _set_names(values: dict[str, Any]) -> None:
-    from mgtutor._rank import namespace
-
-    namespace().update(values)
-
-
-def _get_name(name: str) -> Any:
-    from mgtutor._rank import namespace
-
-    space = namespace()
-    if name not in space:
-        known = sorted(k for k in space if not k.startswith("__"))
-        raise NameError(f"this rank has no name {name!r}; it has: {', '.join(known) or 'none'}")
-    return space[name]
+        return self.run(_namespace.get_name, name, ranks=ranks).results
 
 
 def _build_run(handles: list[RankHandle], world_size: int, started: float, finished: float) -> Run:

@@ -68,6 +68,77 @@ def test_state_push_pull_subsets_and_the_run_it_returns(pool, capsys) -> None:
     assert pool.alive
 
 
+def test_a_ranks_own_names_are_never_replaced_and_push_always_wins(pool, capfd) -> None:
+    # A notebook's cells run in IPython's user namespace (by-value functions, as in Jupyter).
+    pytest.importorskip("IPython")
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    cell = textwrap.dedent(
+        """
+        rate = 0.1
+        def read_rate():
+            return rate
+        first = pool.run(read_rate).results
+        rate = 0.2  # the notebook changes it: the next call reads the new value
+        second = pool.run(read_rate).results
+
+        def build():
+            global model
+            model = "the ranks' model"
+        pool.run(build)
+        model = "the notebook's model"
+        def read_model():
+            return model
+        models = pool.run(read_model).results
+
+        x = 1
+        pool.push(x=42)
+        pushed = pool.run(lambda: x).results
+
+        def fails():
+            raise ValueError(model)
+        """
+    )
+    names = ("rate", "read_rate", "first", "second", "build", "model", "read_model", "models")
+    names += ("x", "pushed", "fails", "pool")
+    shell.user_ns["pool"] = pool
+    try:
+        shell.run_cell(cell).raise_error()
+        space = shell.user_ns
+        assert space["first"] == [0.1, 0.1] and space["second"] == [0.2, 0.2]
+        assert space["models"] == ["the ranks' model"] * 2
+        assert space["pushed"] == [42, 42]
+        err = capfd.readouterr().err
+        assert "`model` was not used on rank(s) 0, 1" in err, err
+        assert "pool.push(model=model)" in err and "`x` was not used" in err, err
+        assert "`rate`" not in err, err  # a name the ranks never made is the notebook's: no note
+        with pytest.raises(mgtutor.WorkerError, match="the ranks' model"):
+            pool.run(space["fails"])
+        assert (
+            "[rank 1] mgtutor: the notebook's `model` was not used on this rank"
+            in capfd.readouterr().err
+        )
+    finally:
+        for name in names:
+            shell.user_ns.pop(name, None)
+
+
+def test_variables_read_when_a_group_is_made_are_reported_once_when_changed(
+    pool, monkeypatch, capsys
+) -> None:
+    capsys.readouterr()
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    pool.run(lambda: None)
+    err = capsys.readouterr().err
+    assert "NCCL_DEBUG (unset -> 'INFO')" in err and "pool.restart()" in err, err
+    pool.run(lambda: None)
+    assert "NCCL_DEBUG" not in capsys.readouterr().err  # said once per change
+    monkeypatch.delenv("NCCL_DEBUG")
+    pool.run(lambda: None)
+    assert "NCCL_DEBUG" not in capsys.readouterr().err  # back as the ranks' group has it
+
+
 def test_an_error_keeps_the_pool_when_the_others_finish(pool) -> None:
     import torch.distributed as dist
 
@@ -158,30 +229,142 @@ def test_bad_arguments_are_refused_before_anything_starts() -> None:
 
 
 def test_the_ranks_end_when_the_notebook_process_dies(tmp_path) -> None:
+    # And so do the processes fn started on them: the forkserver ends each rank's group.
     script = tmp_path / "kernel.py"
     script.write_text(
         textwrap.dedent(
             """
-            import os, sys, time
+            import os, subprocess, sys, time
             import mgtutor
+
+            def start_a_child():
+                return os.getpid(), subprocess.Popen(["sleep", "120"]).pid
+
             if __name__ == "__main__":
                 pool = mgtutor.Pool(world_size=2)
-                print(*pool.run(os.getpid).results, flush=True)
+                print(*[p for pair in pool.run(start_a_child).results for p in pair], flush=True)
                 time.sleep(120)
             """
         )
     )
     kernel = subprocess.Popen(
-        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=os.getcwd()
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.getcwd(),
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # what a killed kernel cannot remove
     )
+    pids: list[int] = []
     try:
         pids = [int(p) for p in kernel.stdout.readline().split()]
-        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        assert len(pids) == 4 and all(psutil.pid_exists(p) for p in pids)
     finally:
         kernel.kill()  # as a dying kernel: no cleanup code runs
         kernel.wait(10)
-    gone, alive = psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], 10)
-    assert not alive
+    try:
+        gone, alive = psutil.wait_procs(_processes_of(pids), 10)
+        assert not alive, f"still running after the notebook died: {alive}"
+    finally:
+        for p in _processes_of(pids):
+            p.kill()
+
+
+_STUCK_KERNEL = """
+import ctypes, os, subprocess, sys
+import mgtutor
+
+
+def stuck():
+    child = subprocess.Popen(["sleep", "120"])  # a process fn started, in the rank's group
+    print("entering native code", child.pid, flush=True)
+    ctypes.PyDLL(None).sleep(3600)  # PyDLL keeps the GIL: no thread of the rank can run
+
+
+if __name__ == "__main__":
+    from multiprocessing import forkserver
+
+    pool = mgtutor.Pool(world_size=2, start_method=sys.argv[1])
+    server = getattr(forkserver._forkserver, "_forkserver_pid", None) or 0
+    print(*pool.run(os.getpid).results, server, flush=True)
+    pool.run(stuck)
+"""
+
+
+@pytest.mark.parametrize("method", ["forkserver", "spawn"])
+def test_ranks_stuck_with_the_gil_held_die_with_the_notebook(tmp_path, method) -> None:
+    # The rank's listener thread cannot run here (the GIL is held in native code): only the
+    # kernel can end the rank, through PR_SET_PDEATHSIG. With the forkserver, the server must
+    # die too: it is the ranks' parent, and a stuck rank holds its "alive" pipe open; and it
+    # ends each rank's process group, so what fn started ends too.
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's; elsewhere a rank ends itself from a thread")
+    script = tmp_path / "kernel.py"
+    script.write_text(_STUCK_KERNEL)
+    kernel = subprocess.Popen(
+        [sys.executable, str(script), method],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=os.getcwd(),
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # what a killed kernel cannot remove
+    )
+    pids: list[int] = []
+    started: list[int] = []
+    try:
+        *ranks, server = (int(p) for p in kernel.stdout.readline().split())
+        pids = ranks + ([server] if server else [])
+        assert len(ranks) == 2 and (server or method == "spawn"), (ranks, server)
+        entered = [kernel.stdout.readline() for _ in ranks]
+        assert all("entering native code" in line for line in entered), entered
+        started = [int(line.split()[-1]) for line in entered]
+        time.sleep(1.0)  # from print to the native sleep is a few bytecodes
+        assert all(psutil.pid_exists(p) for p in pids)
+    finally:
+        kernel.kill()  # as a dying kernel: no cleanup code runs
+        kernel.wait(10)
+    # A spawned rank's parent is the notebook itself: nothing is left to end the rank's group
+    # when the rank cannot, so only the ranks are checked there.
+    checked = pids + (started if method == "forkserver" else [])
+    try:
+        gone, alive = psutil.wait_procs(_processes_of(checked), 15)
+        names = {**dict.fromkeys(ranks, "rank"), server: "server"}
+        left = [f"{p.pid} ({names.get(p.pid, 'started by fn')})" for p in alive]
+        assert not left, f"still running after the notebook died: {', '.join(left)}"
+    finally:
+        for p in _processes_of(pids + started):
+            p.kill()  # a failure must not leave them running
+
+
+def _processes_of(pids: list[int]) -> list[psutil.Process]:
+    found = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            if process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
+
+
+def test_a_process_whose_parent_died_before_it_asked_to_die_with_it_ends_at_once() -> None:
+    # The race die_with_parent handles: a parent that dies before the child's prctl leaves the
+    # child with another parent, which never signals. Here the "parent" is a pid that is not
+    # this child's parent, which is what the child sees in that case.
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    probe = (
+        "import os\n"
+        "from mgtutor._rank import die_with_parent\n"
+        "die_with_parent(os.getppid() + 1)\n"
+        "print('still running', flush=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "still running" not in done.stdout, done
+    tied = (
+        "import os\nfrom mgtutor._rank import die_with_parent\nprint(die_with_parent(os.getppid()))"
+    )
+    done = subprocess.run([sys.executable, "-c", tied], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "True", done
 
 
 def test_ddp_cell_magic_keeps_each_ranks_namespace(capsys) -> None:
@@ -205,9 +388,30 @@ def test_ddp_cell_magic_keeps_each_ranks_namespace(capsys) -> None:
             shell.run_cell_magic("ddp", "--ranks one", "pass")
         with pytest.raises(mgtutor.WorkerError, match="NameError"):
             shell.run_cell_magic("ddp", "", "undefined_name")
+        # The pool's rule: names the cell reads come from the notebook unless the rank has its own.
+        shell.run_cell("scale = 3\ndef double(v):\n    return 2 * v * scale").raise_error()
+        capsys.readouterr()
+        shell.run_cell_magic("ddp", "", "double(r)")
+        assert shell.user_ns["_ddp"].results == ["0", "6"]
+        shell.user_ns["scale"] = 5
+        shell.run_cell_magic("ddp", "", "r * scale")
+        assert shell.user_ns["_ddp"].results == ["0", "5"]
+        shell.run_cell_magic("ddp", "", "scale = 7\nr * scale")  # the ranks' own from here
+        shell.run_cell_magic("ddp", "", "r * scale")
+        assert shell.user_ns["_ddp"].results == ["0", "7"]
+        err = capsys.readouterr().err
+        assert "the notebook's `scale` was not used" in err and "%ddp_push scale" in err, err
+        shell.run_line_magic("ddp_push", "scale")
+        shell.run_cell_magic("ddp", "", "r * scale")
+        assert shell.user_ns["_ddp"].results == ["0", "5"]
+        assert "`scale`" not in capsys.readouterr().err  # equal values: nothing to say
+        with pytest.raises(ValueError, match="the notebook has no nowhere"):
+            shell.run_line_magic("ddp_push", "nowhere")
         pids = mgtutor.magic.current_pool().run(os.getpid).results
     finally:
         shell.run_line_magic("ddp_stop", "")
+        for name in ("scale", "double"):
+            shell.user_ns.pop(name, None)
     assert mgtutor.magic.current_pool() is None
     assert not any(psutil.pid_exists(p) for p in pids)
 
