@@ -64,6 +64,19 @@ _SIGNAL_HINTS = {
     ),
 }
 
+_GLOO_ABORT_HINT = (
+    " On gloo, SIGABRT is gloo giving up: it ends a rank that receives more bytes than its "
+    "tensor holds ('Received data size doesn't match expected size' above), when the ranks "
+    "passed tensors of different sizes to the same collective."
+)
+
+
+def _on_gloo(diagnosis: Any, rank: int) -> bool:
+    """Whether the doctor's records show ``rank`` aborted with gloo as its default backend."""
+    record = (getattr(diagnosis, "records", None) or {}).get(rank) or {}
+    group = (record.get("groups") or {}).get("0") or {}
+    return bool(record.get("aborted")) and group.get("backend") == "gloo"
+
 
 @dataclass
 class RankHandle:
@@ -280,8 +293,9 @@ class Supervisor:
     def _diagnose(self) -> Any:
         """Ask every live rank for its record of collectives; what the doctor makes of them.
 
-        Ranks that failed sent their record with the failure. Returns None when there is
-        nothing to compare (no rank made a process group).
+        Ranks that failed sent their record with the failure, a launch's ranks that returned
+        sent it with their answer, and a rank that native code aborted wrote it as it died.
+        Returns None when there is nothing to compare (no rank made a process group).
         """
         from mgtutor import doctor
 
@@ -294,19 +308,30 @@ class Supervisor:
             records: dict[int, Any] = doctor.request_dumps(alive, self.dump_paths, timeout=1.0)
         except OSError:
             records = {}
+        raised = {}
         for h in self.handles:
             if h.error is not None and h.error.record is not None:
-                records.setdefault(h.rank, h.error.record)
+                # Taken as it failed, where it failed: the rank may be elsewhere by now.
+                records[h.rank] = h.error.record
+            if h.error is not None and h.error.context == "raised":
+                message = (h.error.message.splitlines() or [""])[0]
+                short = message if len(message) <= 120 else message[:117] + "..."
+                raised[h.rank] = f"{h.error.exc_type.rsplit('.', 1)[-1]}: {short}".rstrip(": ")
             sent = h.done.record.get("flight_record") if h.done is not None else None
             if sent is not None:
                 records.setdefault(h.rank, sent)  # a launch's rank that answered and exited
+        dead = {r: p for r, p in self.dump_paths.items() if r not in records}
+        records.update(doctor.read_final_records(dead))
         traced = {r: rec for r, rec in records.items() if rec.get("trace") is not None}
         no_group = all(not (rec.get("trace") or {}).get("entries") for rec in traced.values())
-        if not records or (traced and no_group):
+        in_call = any(rec.get("call") for rec in records.values())  # send/recv: not recorded
+        if not records or (traced and no_group and not in_call):
             return None  # no collective was ever issued: nothing to say
         finished = [h.rank for h in self.handles if h.done is not None]
         try:
-            return doctor.diagnose(records, finished=finished, world_size=len(self.handles))
+            return doctor.diagnose(
+                records, finished=finished, raised=raised, world_size=len(self.handles)
+            )
         except Exception as exc:  # the doctor must never hide the error it explains
             return doctor.Diagnosis(
                 f"the doctor failed on these records ({type(exc).__name__}: {exc})",
@@ -416,9 +441,10 @@ class Supervisor:
         code = h.exitcode
         if code is not None and code < 0:
             name = signal.Signals(-code).name
-            summary = (
-                f"rank {h.rank} was killed by signal {name} ({-code}).{_SIGNAL_HINTS.get(name, '')}"
-            )
+            hint = _SIGNAL_HINTS.get(name, "")
+            if name == "SIGABRT" and _on_gloo(diagnosis, h.rank):
+                hint = _GLOO_ABORT_HINT
+            summary = f"rank {h.rank} was killed by signal {name} ({-code}).{hint}"
             return WorkerError(
                 summary,
                 rank=h.rank,

@@ -11,7 +11,7 @@ from typing import Any
 __all__ = ["WorkerError", "WorkerTimeout"]
 
 # What mgtutor.doctor can name as the cause: ranks that did not call the same collectives.
-_DESYNCS = ("behind", "finished", "operation", "shape", "dtype")
+_DESYNCS = ("behind", "finished", "order", "operation", "shape", "dtype", "p2p")
 
 
 class WorkerError(RuntimeError):

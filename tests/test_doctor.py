@@ -1,9 +1,12 @@
 """The hang doctor: real gloo ranks desync, and the diagnosis names ranks, collective and cause.
 
-Each rank returns its own record (the ranks catch the collective's timeout themselves), so these
-tests need nothing from the launcher beyond ``mgtutor.launch``. Two launches cover everything:
-one where a rank skips a collective (asked for its record while its peer is blocked), one with
-different shapes, dtypes and operations.
+The first tests' ranks return their own records (they catch the collective's timeout
+themselves), so they need nothing from the launcher beyond ``mgtutor.launch``: one launch where
+a rank skips a collective (asked for its record while its peer is blocked), one with different
+shapes, dtypes and operations. The later ones go through the launcher's error, as a learner
+sees it: the hangs people actually have (a rank that returned, raised, stayed silent, entered
+another group first, or waits in recv), a rank gloo aborts, and records read from torch's own
+format (a wrapped ring buffer, a dump between two updates, NCCL's recorder).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import re
+import sys
 import time
 
 import pytest
@@ -104,7 +108,7 @@ def test_rank_that_skips_a_collective_is_named_while_its_peer_is_blocked() -> No
     diagnosis = doctor.diagnose(records, finished={1})
     assert diagnosis.kind == "finished"
     assert diagnosis.summary.startswith(
-        "rank 1 finished fn without calling all_reduce #4, which rank 0 is waiting in ("
+        "rank 1 returned from fn without calling all_reduce #4, which rank 0 is waiting in ("
     ), diagnosis.summary
     # The frame comes from the responder's stack of rank 0's main thread.
     assert f"{_HERE}:" in diagnosis.summary and "in _skip_a_collective" in diagnosis.summary
@@ -218,3 +222,256 @@ def test_a_launch_that_times_out_leads_with_the_doctors_finding(kind, first_line
     assert "fn ran past its timeout of 2 s" in text  # the launcher's own summary follows
     assert info.value.diagnosis.ranks and set(info.value.diagnosis.records) == {0, 1}
     assert "Where rank 0 was stuck" in text  # the stacks stay
+
+
+# --- the hangs people actually have, through the launcher's error -----------------------------
+
+
+def _natural(kind: str) -> None:
+    """The desyncs of issue 22, each in its most natural form; rank 0 always waits."""
+    import torch.distributed as dist
+
+    mgtutor.setup()
+    rank = dist.get_rank()
+    if kind == "returned":  # the classic: a collective under `if rank == 0`, rank 1 returns
+        if rank == 0:
+            dist.all_reduce(torch.ones(2))  # returned: rank 0 waits here
+        return
+    if kind == "raised":
+        dist.all_reduce(torch.ones(2))
+        if rank == 1:
+            raise ValueError("no batch for rank 1")
+        dist.all_reduce(torch.ones(2))  # raised: rank 0 waits here
+        return
+    if kind == "recv":
+        dist.all_reduce(torch.ones(2))
+        if rank == 0:
+            dist.recv(torch.ones(2), src=1)  # recv: rank 0 waits here
+        return
+    if kind == "sizes":  # gloo aborts rank 0, which receives more bytes than it expects
+        dist.all_reduce(torch.ones(2))
+        dist.all_reduce(torch.ones(4 if rank == 0 else 8))
+        return
+    group = dist.new_group([0, 1])
+    if kind == "silent":
+        if rank == 0:
+            dist.all_reduce(torch.ones(2))  # silent: rank 0 waits here
+    elif kind == "subgroup":
+        dist.all_reduce(torch.ones(2))
+        if rank == 0:
+            dist.all_reduce(torch.ones(2), group=group)
+    elif kind == "cross":
+        first, second = (None, group) if rank == 0 else (group, None)
+        dist.all_reduce(torch.ones(2), group=first)
+        dist.all_reduce(torch.ones(2), group=second)
+    time.sleep(60)
+
+
+def _line_of(text: str) -> str:
+    """``test_doctor.py:LINE, in _natural`` for the line of ``_natural`` that holds ``text``."""
+    import inspect
+
+    lines, first = inspect.getsourcelines(_natural)
+    number = next(first + i for i, line in enumerate(lines) if text in line)
+    return f"{_natural.__code__.co_filename}:{number}, in _natural"
+
+
+@pytest.mark.parametrize(
+    ("kind", "kind_found", "first_line", "more"),
+    [
+        (
+            "returned",
+            "finished",
+            "rank 1 returned from fn without calling all_reduce #1, which rank 0 is waiting in",
+            "rank 1 called no collective",
+        ),
+        (
+            "raised",
+            "raised",
+            "rank 1 raised ValueError: no batch for rank 1 ({where}) before it reached "
+            "all_reduce #2, which rank 0 is waiting in",
+            "rank 1's last collective was all_reduce #1",
+        ),
+        (
+            "recv",
+            "p2p",
+            "rank 0 waits in recv from rank 1",
+            "gloo's recorder (torch 2.14) does not record send and recv, so this comes from the "
+            "rank's stack; rank 1 returned from fn",
+        ),
+    ],
+)
+def test_a_rank_that_returned_or_raised_is_named_with_what_it_did(
+    kind, kind_found, first_line, more
+) -> None:
+    started = time.monotonic()
+    with pytest.raises(mgtutor.WorkerError) as info:
+        mgtutor.launch(_natural, kind, world_size=2, timeout=30)
+    assert time.monotonic() - started < 30  # it fails when rank 1 leaves, not at the timeout
+    found = info.value.diagnosis
+    text = str(info.value)
+    expected = first_line.format(where=_line_of("raise ValueError"))
+    assert found.kind == kind_found and found.summary.startswith(expected), text
+    assert more in str(found), text
+    # Where rank 0 waits: from its traceback, sent with its failure.
+    assert found.summary.endswith(f"({_line_of(f'# {kind}: rank 0 waits here')})"), text
+    if kind == "raised":  # the exception leads; the doctor says what it did to rank 0
+        assert text.startswith("rank 1 raised ValueError: no batch for rank 1\n"), text
+    else:
+        assert expected in text, text
+    assert "never reached" not in text, text
+
+
+@pytest.mark.parametrize(
+    ("kind", "kind_found", "first_line"),
+    [
+        (
+            "silent",
+            "behind",
+            "rank 1 never reached all_reduce #1, which rank 0 is waiting in ({rank0})",
+        ),
+        (
+            "subgroup",
+            "behind",
+            "rank 1 never reached all_reduce #1 (process group 1), which rank 0 is waiting in "
+            "({rank0})",
+        ),
+        (
+            "cross",
+            "order",
+            "the ranks wait in collectives of different process groups, each for another: "
+            "rank 0 in all_reduce #1 (default group) at {first}; rank 1 in all_reduce #1 "
+            "(process group 1) at "
+            "{first}",
+        ),
+    ],
+)
+def test_a_silent_rank_a_subgroup_and_a_cross_group_order_are_named(
+    kind, kind_found, first_line
+) -> None:
+    with pytest.raises(mgtutor.WorkerTimeout) as info:
+        mgtutor.launch(_natural, kind, world_size=2, timeout=2)
+    found = info.value.diagnosis
+    waits = {"silent": "# silent: rank 0 waits here", "subgroup": "group=group"}
+    rank0 = _line_of(waits[kind]) if kind in waits else ""
+    expected = first_line.format(rank0=rank0, first=_line_of("group=first"))
+    assert found.kind == kind_found and found.summary == expected, str(info.value)
+    if kind == "cross":
+        assert found.ranks == [0, 1]
+        assert "sequence numbers count per group, so no rank is behind" in str(found)
+    else:
+        assert f"it is now at {_line_of('time.sleep(60)')}" in str(found)
+    assert expected in str(info.value)
+
+
+def test_a_rank_gloo_aborts_leaves_the_record_of_the_collective_that_killed_it() -> None:
+    with pytest.raises(mgtutor.WorkerError) as info:
+        mgtutor.launch(_natural, "sizes", world_size=2, timeout=30)
+    text = str(info.value)
+    assert info.value.signal_name == "SIGABRT" and info.value.rank == 0, text
+    assert text.startswith(
+        "all_reduce #2 got different shapes: rank 0 all_reduce [4] Float, rank 1 all_reduce [8] "
+        "Float\n"
+    ), text
+    assert "On gloo, SIGABRT is gloo giving up" in text and "NCCL's watchdog" not in text, text
+    assert info.value.diagnosis.records[0]["aborted"]
+
+
+# --- records in torch's own format ------------------------------------------------------------
+
+
+def _entry(seq: int, op: str = "gloo:all_reduce", record_id: int | None = None, **more) -> dict:
+    """One recorder entry with the keys torch 2.14 writes (FlightRecorder.hpp, version 2.10)."""
+    return {
+        "record_id": seq - 1 if record_id is None else record_id,
+        "pg_id": 0,
+        "process_group": ("0", "default_pg"),
+        "collective_seq_id": seq,
+        "p2p_seq_id": 0,
+        "op_id": seq,
+        "profiling_name": op,
+        "time_created_ns": seq,
+        "input_sizes": [[4]],
+        "input_dtypes": ["Float"],
+        "output_sizes": [[4]],
+        "output_dtypes": ["Float"],
+        "state": "completed",
+        "time_discovered_started_ns": None,
+        "time_discovered_completed_ns": None,
+        "retired": True,
+        "timeout_ms": 600000,
+        "is_p2p": False,
+        "frames": [],
+        **more,
+    }
+
+
+def _trace(entries: list, enqueued: int, started: int = -1, completed: int | None = None) -> dict:
+    done = enqueued if completed is None else completed
+    status = {
+        "last_enqueued_collective": enqueued,
+        "last_started_collective": started,
+        "last_completed_collective": done,
+    }
+    return {
+        "version": "2.10",
+        "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+        "pg_status": {"0": status},
+        "entries": entries,
+    }
+
+
+def test_a_wrapped_ring_buffer_is_partial_and_a_dump_between_two_updates_is_no_agreement() -> None:
+    # Both ranks ran 300 collectives with a buffer of 100: the records hold #201 to #300.
+    kept = [_entry(seq) for seq in range(201, 301)]
+    agree = doctor.diagnose({0: _trace(kept, 300), 1: _trace(kept, 300)})
+    assert agree.kind == "agree" and "partial" in agree.summary, str(agree)
+    assert "partial records: a recorder keeps only the latest collectives" in str(agree)
+    assert "here rank 0 the latest 100, rank 1 the latest 100)" in str(agree)
+    # Rank 1 stopped after #3; rank 0 went on to #300, its entries before #201 dropped.
+    early = [_entry(seq) for seq in range(1, 4)]
+    behind = doctor.diagnose({0: _trace(kept, 300), 1: _trace(early, 3)})
+    assert behind.summary == "rank 1 never reached collective #4, which rank 0 is waiting in"
+    assert "rank 0's record counts #4 but dropped it (a partial record)" in str(behind)
+    # Rank 0's status already counts #2 but its entry is not written yet; rank 1 is at #1.
+    ahead = doctor.diagnose({0: _trace([_entry(1)], 2, completed=1), 1: _trace([_entry(1)], 1)})
+    assert ahead.kind == "behind", str(ahead)
+    assert ahead.summary == "rank 1 never reached collective #2, which rank 0 is waiting in"
+    assert "rank 0's record counts #2 but does not hold it yet" in str(ahead)
+
+
+def _nccl_records() -> dict:
+    """Rank 0 queued all_reduce #2 and #3 (NCCL returns at once); #2 runs on its GPU, waiting
+    for rank 1, whose last collective is #1."""
+    rank0 = [
+        _entry(1, "nccl:all_reduce"),
+        _entry(2, "nccl:all_reduce", state="started", retired=False),
+        _entry(3, "nccl:all_reduce", state="scheduled", retired=False),
+    ]
+    return {
+        0: _trace(rank0, 3, started=2, completed=1),
+        1: _trace([_entry(1, "nccl:all_reduce")], 1),
+    }
+
+
+def test_nccl_records_come_from_nccls_recorder_and_their_counters_are_read(monkeypatch) -> None:
+    c10d = torch._C._distributed_c10d
+    records = _nccl_records()
+    gloo = {"version": "2.10", "pg_config": {}, "pg_status": {}, "entries": []}
+    monkeypatch.setattr(c10d, "_dump_fr_trace", lambda **_: pickle.dumps(gloo), raising=False)
+    monkeypatch.setattr(
+        c10d, "_dump_nccl_trace", lambda **_: pickle.dumps(records[0]), raising=False
+    )
+    # A rank whose default group is NCCL (this CPU test has no process group).
+    groups = {"0": {"ranks": [0, 1], "backend": "nccl"}}
+    monkeypatch.setattr(
+        sys.modules[doctor.own_dump.__module__], "_groups", lambda: groups, raising=False
+    )
+    own = doctor.own_dump(stack_traces=False)
+    assert [e["collective_seq_id"] for e in own["trace"]["entries"]] == [1, 2, 3], own
+    found = doctor.diagnose({0: own, 1: records[1]})
+    assert found.summary == "rank 1 never reached all_reduce #2, which rank 0 is waiting in"
+    assert (
+        "on rank 0, all_reduce #2 is started on the GPU and has not completed; 1 later "
+        "collective(s) are queued behind it" in str(found)
+    ), str(found)

@@ -95,6 +95,50 @@ def test_launch_on_every_gpu_with_nccl() -> None:
     _assert_every_rank_on_its_gpu(run, GPUS)
 
 
+# --- the hang doctor reads NCCL's own recorder --------------------------------------------
+
+
+def _nccl_record(skip: bool) -> Any:
+    """All-reduce on the GPU; with ``skip``, rank 1 never calls the second one and waits."""
+    import time
+
+    from mgtutor import doctor
+
+    device = mgtutor.setup()
+    total = torch.ones(4, device=device)
+    dist.all_reduce(total)
+    if not skip:
+        torch.cuda.synchronize()
+        return doctor.own_dump(stack_traces=False)
+    if dist.get_rank() == 0:
+        dist.all_reduce(total)  # NCCL returns at once; the GPU waits for rank 1
+    time.sleep(120)
+    return None
+
+
+@needs_gpus(1)
+def test_the_doctor_reads_nccls_recorder_not_gloos() -> None:
+    # NCCL writes to its own recorder (_dump_nccl_trace); gloo's (_dump_fr_trace) stays empty.
+    run = mgtutor.launch(_nccl_record, False, world_size=1, backend="nccl", timeout=120)
+    trace = run.results[0]["trace"]
+    assert "nccl" in trace["recorders"], trace
+    names = [e["profiling_name"] for e in trace["entries"]]
+    assert names[-1:] == ["nccl:all_reduce"], trace
+    # NCCL's watchdog marks an entry completed when it next polls: any state may show here.
+    assert trace["entries"][-1]["state"] in ("scheduled", "started", "completed"), trace
+
+
+@needs_gpus(2)
+def test_the_doctor_names_a_rank_that_skips_an_nccl_collective() -> None:
+    with pytest.raises(mgtutor.WorkerTimeout) as info:
+        mgtutor.launch(_nccl_record, True, world_size=2, backend="nccl", timeout=20)
+    found = info.value.diagnosis
+    text = str(info.value)
+    assert found is not None and found.kind == "behind", text
+    assert found.summary.startswith("rank 1 never reached all_reduce #2, which rank 0 is "), text
+    assert "on rank 0, all_reduce #2 is " in text and "on the GPU and has not completed" in text
+
+
 @needs_gpus(1)
 def test_launch_after_cuda_was_used_in_the_calling_process() -> None:
     # The notebook kernel often holds a CUDA context already (notebook 01 runs DataParallel in

@@ -1,0 +1,259 @@
+"""The ranks' side of a hang: hand out this rank's record on request, and as it dies.
+
+* In each rank: :func:`start_dump_responder`, early. On request it writes this rank's record
+  to a file, even while the main thread is blocked inside a collective (a Python signal
+  handler would not run then). It also writes the record when native code aborts the process
+  (gloo ends a rank that receives more bytes than it expects, with SIGABRT), so the record of
+  the collective that killed it survives the rank.
+* In the parent: :func:`request_dumps` asks the ranks and reads their records back;
+  :func:`read_final_records` reads what dead ranks left; :func:`remove_dump_files` cleans up.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from mgtutor.doctor.record import own_dump
+
+__all__ = [
+    "DUMP_PATH_ENV",
+    "default_dump_path",
+    "read_final_records",
+    "remove_dump_files",
+    "request_dumps",
+    "start_dump_responder",
+]
+
+#: Where a rank's responder writes its record, if set in the rank's environment.
+DUMP_PATH_ENV = "MGTUTOR_FR_DUMP"
+
+# The C handler that must outlive start_dump_responder (ctypes frees it with its last reference).
+_abort_handler: list[Any] = []
+
+
+def default_dump_path(pid: int) -> str:
+    """Where the responder of process ``pid`` writes, if ``MGTUTOR_FR_DUMP`` is not set."""
+    return os.path.join(tempfile.gettempdir(), f"mgtutor-fr-{pid}.pkl")
+
+
+def _request_path(path: str) -> str:
+    return f"{path}.ask"
+
+
+def _final_path(path: str) -> str:
+    return f"{path}.final"
+
+
+def _write(path: str, blob: bytes) -> None:
+    partial = f"{path}.{os.getpid()}.tmp"
+    with open(partial, "wb") as out:
+        out.write(blob)
+    os.replace(partial, path)  # the parent never reads a half-written record
+
+
+def _respond(ask: int, path: str, main_ident: int) -> None:
+    while os.read(ask, 64):  # blocks, with the GIL released, until the parent asks
+        try:
+            blob = pickle.dumps(own_dump(stack_traces=False, main_ident=main_ident))
+        except BaseException as exc:  # the parent must get an answer, not a timeout
+            blob = pickle.dumps({"pid": os.getpid(), "trace": None, "error": repr(exc)})
+        _write(path, blob)
+
+
+def _record_on_abort(path: str, main_ident: int) -> None:
+    """Write this rank's record to ``path`` if native code aborts the process (SIGABRT).
+
+    A Python signal handler runs only between bytecodes of the main thread, never once
+    ``abort()`` has begun; a C handler made with ctypes runs in the aborting thread and takes
+    the GIL (free: the main thread waits in the collective with it released). When it returns,
+    ``abort()`` goes on and the rank dies of SIGABRT as before. Installed only where no GPU is
+    visible (see :func:`_no_gpu`).
+    """
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    handler_type = ctypes.CFUNCTYPE(None, ctypes.c_int)
+
+    def on_abort(signum: int) -> None:
+        try:
+            record = own_dump(stack_traces=False, main_ident=main_ident)
+            record["aborted"] = True
+            _write(_final_path(path), pickle.dumps(record))
+        except BaseException:
+            pass  # the process is ending either way
+
+    handler = handler_type(on_abort)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, handler_type]
+    libc.signal(signal.SIGABRT, handler)
+    _abort_handler[:] = [handler]
+
+
+def start_dump_responder(path: str | None = None) -> str:
+    """Start the thread that writes this rank's record to ``path`` whenever it is asked.
+
+    The parent asks by writing a byte to a named pipe beside ``path`` (``path + ".ask"``,
+    created here, readable by this user only). A daemon thread waits on that pipe; when a byte
+    arrives it takes the record with :func:`~mgtutor.doctor.own_dump` and writes it to
+    ``path``. A collective releases the GIL while it waits, so the thread answers while the
+    main thread is blocked in one. Nothing here runs in the main thread: a Python signal
+    handler would wait until the collective returns, which in a hang is the process group's
+    timeout. If native code aborts the process, on a machine without GPUs, its record goes
+    to ``path + ".final"``.
+
+    Safe to call at any point (before or after the process group exists, with other threads
+    running); call it once per process.
+
+    Args:
+        path: the file to write; by default ``$MGTUTOR_FR_DUMP``, else
+            :func:`default_dump_path` of this process.
+
+    Returns:
+        The path the records go to. Each answer replaces the file whole (written beside it,
+        then renamed).
+
+    Example:
+        >>> start_dump_responder()          # in the rank, early
+        '/tmp/mgtutor-fr-4242.pkl'
+    """
+    path = path or os.environ.get(DUMP_PATH_ENV) or default_dump_path(os.getpid())
+    ask = _request_path(path)
+    for stale in (ask, _final_path(path)):  # left by an earlier process with the same pid
+        try:
+            os.unlink(stale)
+        except FileNotFoundError:
+            pass
+    os.mkfifo(ask, 0o600)
+    # Opened for reading and writing, so the pipe never reports end-of-file between requests.
+    fd = os.open(ask, os.O_RDWR)
+    main_ident = threading.main_thread().ident
+    assert main_ident is not None
+    threading.Thread(
+        target=_respond, args=(fd, path, main_ident), name="mgtutor-dump-responder", daemon=True
+    ).start()
+    if _no_gpu():
+        try:
+            _record_on_abort(path, main_ident)
+        except (OSError, AttributeError):
+            pass  # no C library to ask: a rank that aborts leaves no record
+    return path
+
+
+def _no_gpu() -> bool:
+    """Whether this rank can only use gloo: then a handler on SIGABRT cannot stall a rank.
+
+    The handler needs the GIL. NCCL's watchdog aborts a rank whose main thread may hold it,
+    stuck in a CUDA synchronization: the handler would wait for it forever and the rank would
+    hang instead of dying. On a machine without GPUs no NCCL runs, and gloo's collectives
+    wait with the GIL released.
+    """
+    if os.environ.get("MGTUTOR_BACKEND") == "nccl":
+        return False
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and torch.cuda.device_count() == 0
+    except Exception:
+        return False
+
+
+def _ask(path: str) -> bool:
+    try:
+        fd = os.open(_request_path(path), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:  # no such pipe, or nobody reading it (ENXIO): the rank is gone
+        return False
+    try:
+        os.write(fd, b"?")
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def request_dumps(
+    pids: Mapping[int, int], paths: Mapping[int, str] | None = None, timeout: float = 2.0
+) -> dict[int, dict[str, Any]]:
+    """Ask running ranks for their records and read them back.
+
+    A rank without a responder, or one that died, is skipped at once (its request pipe has
+    no reader); it is never signalled.
+
+    Args:
+        pids: rank -> process id.
+        paths: rank -> the path its responder writes (default: :func:`default_dump_path`).
+        timeout: seconds to wait for all answers.
+
+    Returns:
+        rank -> record (see :func:`~mgtutor.doctor.own_dump`), for the ranks that answered in
+        time.
+
+    Example:
+        >>> records = request_dumps({0: 4242, 1: 4243})
+        >>> print(diagnose(records).summary)
+        rank 1 never reached all_reduce #2, which rank 0 is waiting in (...)
+    """
+    waiting = {r: (paths or {}).get(r) or default_dump_path(pid) for r, pid in pids.items()}
+    for path in waiting.values():
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    waiting = {r: path for r, path in waiting.items() if _ask(path)}
+    records: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout
+    while waiting and time.monotonic() < deadline:
+        for rank, path in list(waiting.items()):
+            try:
+                with open(path, "rb") as answer:
+                    records[rank] = pickle.load(answer)
+            except FileNotFoundError:
+                continue
+            os.unlink(path)
+            del waiting[rank]
+        if waiting:
+            time.sleep(0.002)
+    return records
+
+
+def read_final_records(paths: Mapping[int, str]) -> dict[int, dict[str, Any]]:
+    """The records ranks wrote as native code aborted them (see :func:`start_dump_responder`).
+
+    Args:
+        paths: rank -> the path its responder writes.
+
+    Returns:
+        rank -> record, for the ranks that left one.
+    """
+    records = {}
+    for rank, path in paths.items():
+        try:
+            with open(_final_path(path), "rb") as final:
+                records[rank] = pickle.load(final)
+        except (OSError, EOFError, pickle.UnpicklingError):
+            continue
+    return records
+
+
+def remove_dump_files(pids: Mapping[int, int], paths: Mapping[int, str] | None = None) -> None:
+    """Remove the request pipes and records the ranks' responders left (after the launch).
+
+    Args:
+        pids: rank -> process id.
+        paths: rank -> the path its responder wrote (default: :func:`default_dump_path`).
+    """
+    for rank, pid in pids.items():
+        path = (paths or {}).get(rank) or default_dump_path(pid)
+        final = _final_path(path)
+        for name in (path, _request_path(path), final, f"{path}.{pid}.tmp", f"{final}.{pid}.tmp"):
+            try:
+                os.unlink(name)
+            except FileNotFoundError:
+                pass
