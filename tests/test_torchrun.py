@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "notebooks" / "scripts" / "train_ddp.py"
@@ -24,6 +29,72 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def family(pid: int) -> set[psutil.Process]:
+    """A process and all it started, found by parentage while it runs.
+
+    torchrun starts each worker in a session of its own (start_new_session=True in torch's
+    SubprocessHandler), so killing torchrun's process group leaves the workers running.
+    """
+    try:
+        root = psutil.Process(pid)
+        return {root, *root.children(recursive=True)}
+    except psutil.NoSuchProcess:
+        return set()
+
+
+def running(procs) -> list[psutil.Process]:
+    alive = []
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+    return alive
+
+
+def stop_all(procs, timeout: float = 10) -> None:
+    """SIGKILL every process still running; fail if one survives."""
+    for p in running(procs):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    deadline = time.monotonic() + timeout
+    while running(procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(procs), f"still running after SIGKILL: {[p.pid for p in running(procs)]}"
+
+
+def run_all(
+    commands: list[list[str]], env: dict, timeout: float = 200
+) -> list[subprocess.CompletedProcess]:
+    """Run the commands at once; at the end, or past the timeout, stop all they started."""
+    procs = [
+        subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        for command in commands
+    ]
+    started: set[psutil.Process] = set()
+    deadline = time.monotonic() + timeout
+    with ThreadPoolExecutor(len(procs)) as readers:
+        outputs = [readers.submit(proc.communicate) for proc in procs]
+        while not all(o.done() for o in outputs) and time.monotonic() < deadline:
+            for proc in procs:
+                started |= family(proc.pid)
+            time.sleep(0.1)
+        timed_out = not all(o.done() for o in outputs)
+        stop_all(started)  # the workers too: nothing is left behind, even past the timeout
+    if timed_out:
+        raise TimeoutError(f"stopped after {timeout} s with all it started: {commands}")
+    return [
+        subprocess.CompletedProcess(p.args, p.returncode, *o.result())
+        for p, o in zip(procs, outputs)
+    ]
 
 
 def results(prefix: Path, world_size: int) -> list[dict]:
@@ -48,20 +119,19 @@ def contract(row: dict) -> tuple:
 @pytest.fixture(scope="module")
 def single_node(tmp_path_factory) -> list[dict]:
     work = tmp_path_factory.mktemp("single")
-    done = subprocess.run(
+    [done] = run_all(
         [
-            *TORCHRUN,
-            "--standalone",
-            "--nproc-per-node=2",
-            str(SCRIPT),
-            "--epochs",
-            "2",
-            "--result",
-            str(work / "run"),
+            [
+                *TORCHRUN,
+                "--standalone",
+                "--nproc-per-node=2",
+                str(SCRIPT),
+                "--epochs",
+                "2",
+                "--result",
+                str(work / "run"),
+            ]
         ],
-        capture_output=True,
-        text=True,
-        timeout=200,
         env=ONE_THREAD,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -95,25 +165,8 @@ def test_two_nodes_on_loopback_match_the_single_node_run(tmp_path, single_node) 
         ]
         for node in (0, 1)
     ]
-    nodes = [
-        subprocess.Popen(
-            command,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=ONE_THREAD,
-            start_new_session=True,
-        )
-        for command in commands
-    ]
-    try:
-        outputs = [node.communicate(timeout=200) for node in nodes]
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                os.killpg(node.pid, 9)  # the agent and its workers
-                node.wait()
-    assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in outputs]
+    nodes = run_all(commands, env=ONE_THREAD)
+    assert all(node.returncode == 0 for node in nodes), [node.stderr[-2000:] for node in nodes]
     two = results(tmp_path / "run", 2)
     # Static rendezvous: --node-rank is the node's GROUP_RANK; WORLD_SIZE counts processes.
     assert [contract(r) for r in two] == [(0, 0, 2, 0, 1, 2), (1, 0, 2, 1, 1, 2)]
@@ -127,25 +180,24 @@ def test_two_nodes_on_loopback_match_the_single_node_run(tmp_path, single_node) 
 def test_restart_resumes_from_the_snapshot_on_the_same_loss_curve(tmp_path, single_node) -> None:
     import torch
 
-    done = subprocess.run(
+    [done] = run_all(
         [
-            *TORCHRUN,
-            "--standalone",
-            "--nproc-per-node=2",
-            "--max-restarts=1",
-            str(SCRIPT),
-            "--epochs",
-            "2",
-            "--snapshot",
-            str(tmp_path / "snap.pt"),
-            "--crash-once",
-            str(tmp_path / "crashed"),
-            "--result",
-            str(tmp_path / "run"),
+            [
+                *TORCHRUN,
+                "--standalone",
+                "--nproc-per-node=2",
+                "--max-restarts=1",
+                str(SCRIPT),
+                "--epochs",
+                "2",
+                "--snapshot",
+                str(tmp_path / "snap.pt"),
+                "--crash-once",
+                str(tmp_path / "crashed"),
+                "--result",
+                str(tmp_path / "run"),
+            ]
         ],
-        capture_output=True,
-        text=True,
-        timeout=200,
         env={**ONE_THREAD, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -195,3 +247,29 @@ def test_record_writes_the_exception_to_torchelastic_error_file(tmp_path) -> Non
     error = json.loads((tmp_path / "error.json").read_text())["message"]
     assert error["message"] == message
     assert "raise ValueError" in error["extraInfo"]["py_callstack"]
+
+
+def test_killing_torchruns_process_group_leaves_workers_that_stop_all_ends() -> None:
+    # Why run_all collects processes by parentage: torchrun's workers have sessions of their own.
+    agent = subprocess.Popen(
+        [*TORCHRUN, "--standalone", "--nproc-per-node=2", "--no-python", "sleep", "300"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    workers: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline:
+            workers = [p for p in family(agent.pid) if p.pid != agent.pid]
+            time.sleep(0.1)
+        assert len(workers) == 2, "torchrun did not start its two workers within 60 s"
+        assert all(os.getsid(p.pid) == p.pid != agent.pid for p in workers)
+        os.killpg(agent.pid, signal.SIGKILL)  # torchrun's whole process group
+        agent.wait()
+        time.sleep(1)
+        assert len(running(workers)) == 2, "the workers died with torchrun's process group"
+    finally:
+        stop_all([*workers, *family(agent.pid)])
+        agent.wait()
+    assert not running(workers)

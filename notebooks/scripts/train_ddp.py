@@ -9,9 +9,15 @@ SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS). Run it with, for example:
 With --snapshot, rank 0 saves a snapshot after every epoch (model, optimizer, LR scheduler,
 GradScaler, every rank's random number generator states, the sampler's seed and epoch, the loss
 curve so far) and every rank resumes from it when it exists, so `torchrun --max-restarts=N` can
-restart a failed job where it stopped and continue the same loss curve. `main` is decorated with
-torch's `@record`, so an exception in a worker is written to the error file torchrun names
-(TORCHELASTIC_ERROR_FILE) and torchrun's failure summary shows its message and traceback.
+restart a failed job where it stopped and continue the same loss curve: bit for bit with two CPU
+workers (notebook 09 checks it). Its limits: the first step after a resume all-reduces in DDP's
+one initial bucket, so with more ranks the weights can differ in their last bits; on GPUs, bit
+for bit also needs deterministic kernels (torch.use_deterministic_algorithms(True)); and every
+rank reads the snapshot, so on several machines it must be on storage every node reads.
+
+`main` is decorated with torch's `@record`, so an exception in a worker is written to the error
+file torchrun names (TORCHELASTIC_ERROR_FILE) and torchrun's failure summary shows its message
+and traceback.
 """
 
 from __future__ import annotations
