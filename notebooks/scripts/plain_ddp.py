@@ -11,6 +11,7 @@ of the data through a DistributedSampler, train, leave the process group.
 """
 
 import argparse
+import gc
 import os
 import socket
 from datetime import timedelta
@@ -98,6 +99,12 @@ def main(local_rank, world_size):
         if rank == 0:
             print(f"epoch {epoch}: mean training loss {totals[0] / totals[1]:.6f}", flush=True)
 
+    # Free DDP before destroying the group it holds. DDP sits in a reference cycle, so `del`
+    # alone leaves it for the interpreter's exit, where torch 2.14.1's gloo group then aborted
+    # the process ("terminate called without an active exception", cf. pytorch#190489): 6 of 42
+    # runs here, 4 of 24 with `del` alone, 0 of 50 with both lines.
+    del model, optimizer
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -23,6 +23,7 @@ and traceback.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -229,6 +230,7 @@ def main() -> None:
     )
     if args.result:
         Path(f"{args.result}.rank{result['rank']}.json").write_text(json.dumps(result))
+    gc.collect()  # free train's DDP model (a reference cycle) before its group: see plain_ddp.py
     mgtutor.teardown()
 
 
