@@ -95,6 +95,10 @@ def plot_memory(run: Run) -> Figure:
     return fig
 
 
+# Steps plot_timeline shows when not told: more are a smear of thin bars at this width.
+TIMELINE_STEPS = 6
+
+
 def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
     """One row per rank, each timed phase a coloured bar on the launch's time axis.
 
@@ -106,7 +110,9 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
 
     Args:
         run: what :func:`mgtutor.launch` returned.
-        steps: only these steps (for example ``slice(0, 5)``); all by default.
+        steps: only these steps (for example ``slice(0, 5)``; ``slice(None)`` for all). By
+            default the last ``TIMELINE_STEPS`` (6), the steady state; the title says which
+            steps of how many are shown.
 
     Returns:
         The figure.
@@ -115,11 +121,12 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
         ValueError: when no rank recorded any phase.
     """
     records = {r.rank: [p for p in r.timings if p.name != STEP] for r in run.ranks}
-    if steps is not None:
-        wanted = range(
-            *steps.indices(1 + max((p.step for ps in records.values() for p in ps), default=0))
-        )
-        records = {k: [p for p in ps if p.step in wanted] for k, ps in records.items()}
+    total = 1 + max((p.step for ps in records.values() for p in ps), default=0)
+    chosen = steps is not None
+    if steps is None:
+        steps = slice(max(0, total - TIMELINE_STEPS), total)
+    wanted = range(*steps.indices(total))
+    records = {k: [p for p in ps if p.step in wanted] for k, ps in records.items()}
     if not any(records.values()):
         raise ValueError(
             "no phases were recorded: inside fn wrap work in `with mgtutor.phase('forward'):`"
@@ -158,7 +165,15 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
     ax.set_yticks(list(records), [f"rank {r}" for r in records])
     ax.invert_yaxis()
     ax.set_xlabel("time since the first timed phase shown (ms)")
-    ax.set_title("What each rank was doing", fontsize=10)
+    if len(wanted) == total:
+        shown = f"all {total} steps" if total > 1 else "the run"
+    else:
+        first, last = wanted[0], wanted[-1]
+        shown = f"step{'s' if len(wanted) > 1 else ''} {first}" + (
+            f"-{last}" if len(wanted) > 1 else ""
+        )
+        shown += f" of {total}" + ("" if chosen else "; steps= shows others")
+    ax.set_title(f"What each rank was doing: {shown}", fontsize=10)
     handles, labels = ax.get_legend_handles_labels()
     found = dict(zip(labels, handles))
     unique = {n: found[n] for n in legend_order if n in found}

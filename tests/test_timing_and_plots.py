@@ -118,7 +118,7 @@ def test_watch_gradients_shows_an_all_reduce_launched_before_the_last_gradient()
     assert "gradient" in [t.get_text() for t in legend]
 
 
-def _fake_run(world_size: int, cuda: bool = False, step_s: float = 0.1) -> Run:
+def _fake_run(world_size: int, cuda: bool = False, step_s: float = 0.1, steps: int = 3) -> Run:
     ranks = []
     for rank in range(world_size):
         memory = MemoryStats(
@@ -129,7 +129,7 @@ def _fake_run(world_size: int, cuda: bool = False, step_s: float = 0.1) -> Run:
             peak_reserved=2**31 if cuda else None,
         )
         timings = []
-        for s in range(3):
+        for s in range(steps):
             start = 0.5 + s * step_s
             timings += [
                 PhaseRecord("forward", s, start, start + step_s / 2),
@@ -166,6 +166,7 @@ def test_plot_timeline_and_step_times() -> None:
     assert len(ax.collections) == 6  # forward and backward bars for each rank
     only_first = mgtutor.plot_timeline(run, steps=slice(0, 1)).axes[0]
     assert all(len(c.get_paths()) == 1 for c in only_first.collections)
+    assert only_first.get_title().endswith("step 0 of 3")
     nested = Run(
         1,
         [
@@ -209,3 +210,13 @@ def test_plots_without_records_say_what_to_add() -> None:
         mgtutor.plot_scaling([empty])
     with pytest.raises(ValueError, match="at least one Run"):
         mgtutor.plot_scaling([])
+
+
+def test_plot_timeline_shows_the_last_steps_by_default_and_says_so() -> None:
+    run = _fake_run(2, steps=50)
+    ax = mgtutor.plot_timeline(run).axes[0]
+    assert ax.get_title().endswith("steps 44-49 of 50; steps= shows others")
+    assert all(len(c.get_paths()) == 6 for c in ax.collections)  # one bar per step shown
+    every = mgtutor.plot_timeline(run, steps=slice(None)).axes[0]
+    assert every.get_title().endswith("all 50 steps")
+    assert all(len(c.get_paths()) == 50 for c in every.collections)
