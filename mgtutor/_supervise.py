@@ -71,13 +71,6 @@ _GLOO_ABORT_HINT = (
 )
 
 
-def _on_gloo(diagnosis: Any, rank: int) -> bool:
-    """Whether the doctor's records show ``rank`` aborted with gloo as its default backend."""
-    record = (getattr(diagnosis, "records", None) or {}).get(rank) or {}
-    group = (record.get("groups") or {}).get("0") or {}
-    return bool(record.get("aborted")) and group.get("backend") == "gloo"
-
-
 @dataclass
 class RankHandle:
     """The notebook's view of one rank process."""
@@ -442,7 +435,10 @@ class Supervisor:
         if code is not None and code < 0:
             name = signal.Signals(-code).name
             hint = _SIGNAL_HINTS.get(name, "")
-            if name == "SIGABRT" and _on_gloo(diagnosis, h.rank):
+            from mgtutor import doctor
+
+            records = getattr(diagnosis, "records", None) or {}
+            if name == "SIGABRT" and doctor.aborted_on_gloo(records.get(h.rank)):
                 hint = _GLOO_ABORT_HINT
             summary = f"rank {h.rank} was killed by signal {name} ({-code}).{hint}"
             return WorkerError(

@@ -25,6 +25,7 @@ from mgtutor.doctor.drift import find_drift, replica_checksums
 from mgtutor.doctor.record import own_dump, recorder_available, recorder_env
 from mgtutor.doctor.responder import (
     DUMP_PATH_ENV,
+    aborted_on_gloo,
     default_dump_path,
     read_final_records,
     remove_dump_files,
@@ -35,6 +36,7 @@ from mgtutor.doctor.responder import (
 __all__ = [
     "DUMP_PATH_ENV",
     "Diagnosis",
+    "aborted_on_gloo",
     "default_dump_path",
     "diagnose",
     "find_drift",

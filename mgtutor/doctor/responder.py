@@ -223,6 +223,19 @@ def request_dumps(
     return records
 
 
+def aborted_on_gloo(record: Mapping[str, Any] | None) -> bool:
+    """Whether ``record`` was written as native code aborted its rank, gloo being its backend.
+
+    Args:
+        record: a rank's record (see :func:`read_final_records`), or None.
+
+    Returns:
+        True for a rank whose default group is gloo and whose abort handler wrote the record.
+    """
+    group = ((record or {}).get("groups") or {}).get("0") or {}
+    return bool((record or {}).get("aborted")) and group.get("backend") == "gloo"
+
+
 def read_final_records(paths: Mapping[int, str]) -> dict[int, dict[str, Any]]:
     """The records ranks wrote as native code aborted them (see :func:`start_dump_responder`).
 
