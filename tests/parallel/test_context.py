@@ -1,0 +1,203 @@
+"""mgtutor.parallel.context: ring attention on CPU ranks equals full attention, forward and back.
+
+The merge rule, the block kernel, the splits and the work they give each rank are pure
+functions, tested in this process. The ring itself needs ranks: one launch of 3 ranks (a ring of
+2 cannot tell sending right from sending left) runs every layout and mask, forward and backward,
+plus a ring over a subgroup, and the tests below each read their part of its results.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import mgtutor
+from mgtutor.parallel import context
+
+SHAPE = (2, 3, 24, 8)  # batch, heads, sequence, head dimension: 24 divides by 2 x 3 ranks
+LAYOUTS = {"contiguous": context.split_contiguous, "zigzag": context.split_zigzag}
+WORLD = 3
+
+
+def _qkv(seed: int = 0, shape: tuple[int, ...] = SHAPE) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen, dtype=torch.float64) for _ in range(4)]
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    return q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+
+
+# --- pure functions --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_lse_is_sdpa_with_the_log_of_its_normalizer(causal: bool) -> None:
+    q, k, v, _ = _qkv()
+    pos = torch.arange(SHAPE[2]) if causal else None
+    out, lse = context.attention_with_lse(q, k, v, pos, pos)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    scores = _scores(q, k)
+    if causal:
+        scores = scores.masked_fill(torch.ones(24, 24, dtype=torch.bool).triu(1), float("-inf"))
+    assert torch.allclose(lse, torch.logsumexp(scores, dim=-1))
+
+
+def test_a_row_that_sees_no_key_gets_zero_and_minus_infinity() -> None:
+    q, k, v, _ = _qkv()
+    out, lse = context.attention_with_lse(q, k, v, torch.arange(24), torch.arange(24) + 100)
+    assert torch.equal(out, torch.zeros_like(out)) and bool(torch.isneginf(lse).all())
+
+
+def test_merging_two_blocks_of_keys_gives_attention_over_both() -> None:
+    q, k, v, _ = _qkv()
+    q = q * 30  # scores in the hundreds: exp() of them overflows, the merge must not
+    first, second = torch.arange(0, 24, 2), torch.arange(1, 24, 2)  # any two disjoint blocks
+    out_a, lse_a = context.attention_with_lse(q, k[..., first, :], v[..., first, :])
+    out_b, lse_b = context.attention_with_lse(q, k[..., second, :], v[..., second, :])
+    out, lse = context.merge_partials(out_a, lse_a, out_b, lse_b)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, k, v))
+    assert torch.allclose(lse, torch.logsumexp(_scores(q, k), dim=-1))
+    assert not torch.allclose((out_a + out_b) / 2, out)  # the check can fail: averaging does
+
+
+def test_merging_a_fully_masked_block_changes_nothing_and_two_give_zeros() -> None:
+    q, k, v, _ = _qkv()
+    out_a, lse_a = context.attention_with_lse(q, k, v)
+    nothing = torch.zeros_like(out_a), torch.full_like(lse_a, float("-inf"))
+    out, lse = context.merge_partials(out_a, lse_a, *nothing)
+    assert torch.equal(out, out_a) and torch.equal(lse, lse_a)
+    out, lse = context.merge_partials(*nothing, *nothing)
+    assert torch.equal(out, nothing[0]) and bool(torch.isneginf(lse).all())
+
+
+def test_splits_give_every_position_once_in_the_documented_order() -> None:
+    assert [p.tolist() for p in context.split_contiguous(8, 2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [p.tolist() for p in context.split_zigzag(8, 2)] == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    for split in LAYOUTS.values():
+        for world in (1, 2, 3, 4):
+            assert sorted(torch.cat(split(48, world)).tolist()) == list(range(48))
+    with pytest.raises(ValueError, match="must divide by world_size 4"):
+        context.split_contiguous(10, 4)
+    with pytest.raises(ValueError, match="2 \\* world_size = 6"):
+        context.split_zigzag(9, 3)
+
+
+def test_zigzag_is_torchs_head_tail_order() -> None:
+    module = "torch.distributed.tensor.experimental._context_parallel._load_balancer"
+    balancer = pytest.importorskip(
+        module, reason=f"torch {torch.__version__} has no context-parallel load balancer"
+    )._HeadTailLoadBalancer
+    for length, world in ((8, 2), (24, 3), (32, 4)):
+        order = balancer(length, world, "cpu")._generate_indices()[0]
+        assert order.tolist() == torch.cat(context.split_zigzag(length, world)).tolist()
+
+
+def _pairs_per_rank(layout: list[torch.Tensor]) -> list[int]:
+    """Query-key pairs each rank computes over a whole ring pass, causal."""
+    totals = []
+    for q_pos in layout:
+        rows_cols = [context.needed_block(q_pos, k_pos, causal=True) for k_pos in layout]
+        totals.append(sum(len(rows) * len(cols) for rows, cols in rows_cols))
+    return totals
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_the_contiguous_split_loads_the_last_rank_and_zigzag_evens_it(world: int) -> None:
+    n = 4 * world  # rows per rank: two zig-zag chunks of n / 2
+    contiguous = _pairs_per_rank(context.split_contiguous(n * world, world))
+    assert contiguous == [n * n * (r + 1) for r in range(world)]  # r + 1 blocks, each whole
+    zigzag = _pairs_per_rank(context.split_zigzag(n * world, world))
+    c = n // 2
+    assert zigzag == [4 * c * c + (world - 1) * 2 * c * c] * world  # own block, then halves
+    assert sum(zigzag) == sum(contiguous)  # the same work in all, spread evenly
+
+
+def test_needed_block_without_a_mask_is_the_whole_block() -> None:
+    rows, cols = context.needed_block(torch.arange(4), torch.arange(10, 16), causal=False)
+    assert rows.tolist() == [0, 1, 2, 3] and cols.tolist() == list(range(6))
+    rows, cols = context.needed_block(torch.arange(4), torch.arange(10, 16), causal=True)
+    assert len(rows) == len(cols) == 0
+
+
+# --- the ring, on 3 ranks --------------------------------------------------------------------
+
+
+def _ring_worker(shape: tuple[int, ...]) -> dict[Any, Any]:
+    mgtutor.setup()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k, v, grad = _qkv(shape=shape)
+    results: dict[Any, Any] = {}
+    for name, split in LAYOUTS.items():
+        for causal in (False, True):
+            layout = split(shape[2], world)
+            mine = layout[rank]
+            local = [t[..., mine, :].clone().requires_grad_() for t in (q, k, v)]
+            trace: list[dict] = []
+            out = context.ring_attention(*local, layout, causal=causal, trace=trace)
+            (out * grad[..., mine, :]).sum().backward()
+            results[name, causal] = {
+                "rows": mine,
+                "out": out.detach(),
+                "grads": [t.grad for t in local],
+                "pairs": [step["pairs"] for step in trace],
+                "sources": [step["source"] for step in trace],
+            }
+    # A ring over ranks 1 and 2 only: its neighbours are global ranks, not group ranks.
+    pair = dist.new_group([1, 2])
+    if rank:
+        layout = context.split_zigzag(shape[2], 2)
+        mine = layout[rank - 1]
+        local = [t[..., mine, :] for t in (q, k, v)]
+        results["subgroup"] = {
+            "rows": mine,
+            "out": context.ring_attention(*local, layout, causal=True, group=pair),
+        }
+    return results
+
+
+@functools.lru_cache(maxsize=1)
+def _ring_run() -> list[dict[Any, Any]]:
+    return mgtutor.launch(_ring_worker, SHAPE, world_size=WORLD, backend="gloo", timeout=60).results
+
+
+def _full(causal: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    q, k, v, grad = _qkv()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*leaves, is_causal=causal)
+    (out * grad).sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_ring_equals_full_attention_forward_and_backward(layout: str, causal: bool) -> None:
+    out, grads = _full(causal)
+    for rank, result in enumerate(_ring_run()):
+        mine = result[layout, causal]
+        rows = mine["rows"]
+        assert torch.allclose(mine["out"], out[..., rows, :]), (rank, "output")
+        for name, got, want in zip("qkv", mine["grads"], grads):
+            assert torch.allclose(got, want[..., rows, :]), (rank, f"d{name}")
+        # Blocks arrive from the left: rank r holds r's, then r-1's, then r-2's.
+        assert mine["sources"] == [(rank - step) % WORLD for step in range(WORLD)]
+
+
+def test_ring_counts_the_work_that_needed_block_predicts() -> None:
+    n = SHAPE[2] // WORLD
+    per_rank = [sum(r["contiguous", True]["pairs"]) for r in _ring_run()]
+    assert per_rank == [n * n * (rank + 1) for rank in range(WORLD)]
+    zigzag = [sum(r["zigzag", True]["pairs"]) for r in _ring_run()]
+    assert zigzag == [zigzag[0]] * WORLD
+
+
+def test_ring_over_a_subgroup_uses_global_ranks() -> None:
+    out, _ = _full(causal=True)
+    for result in _ring_run()[1:]:
+        assert torch.allclose(result["subgroup"]["out"], out[..., result["subgroup"]["rows"], :])
+    assert "subgroup" not in _ring_run()[0]
