@@ -24,6 +24,7 @@ __all__ = [
     "find_drifted",
     "global_batch_stats",
     "load_snapshot",
+    "merge_partials",
     "ring_average",
     "save_snapshot",
     "serial_fraction",
@@ -200,3 +201,15 @@ def assign_buckets(
     if bucket:
         buckets.append(bucket)
     return buckets
+
+
+def merge_partials(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over two blocks of keys from each block's output and log-sum-exp."""
+    lse = torch.logaddexp(lse_a, lse_b)  # log(exp(lse_a) + exp(lse_b)), without overflow
+    # Where no key was seen, lse is -inf and -inf - (-inf) is NaN: weigh such rows by 0.
+    finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    weight_a = torch.exp(lse_a - finite).unsqueeze(-1)
+    weight_b = torch.exp(lse_b - finite).unsqueeze(-1)
+    return weight_a * out_a + weight_b * out_b, lse

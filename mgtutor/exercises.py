@@ -22,7 +22,7 @@ The checkers: :func:`check_ring_average` (notebook 02), :func:`check_exact_accur
 :func:`check_shard_indices` (06), :func:`check_buckets` (07),
 :func:`check_serial_fraction` (08), :func:`check_snapshot` (09),
 :func:`check_checked_all_reduce` (10), :func:`check_find_drifted` (11),
-:func:`check_bytes_per_rank` (12).
+:func:`check_bytes_per_rank` (12), :func:`check_merge_partials` (14).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from mgtutor._exercise_cases import (
     BYTES_CASES,
     CHECKED_CASES,
     DRIFT_CASES,
+    MERGE_CASES,
     RING_CASES,
     SCALING_CASES,
     SHARD_CASES,
@@ -56,6 +57,7 @@ __all__ = [
     "check_exact_accuracy",
     "check_find_drifted",
     "check_global_batch_stats",
+    "check_merge_partials",
     "check_ring_average",
     "check_serial_fraction",
     "check_shard_indices",
@@ -181,6 +183,15 @@ _EXERCISES = {
             tuple(case for case, *_ in DRIFT_CASES),
             "a collective that not every rank calls waits forever: call the same collectives on "
             "every rank, rank 0 included, whatever its own verdict",
+        ),
+        _Exercise(
+            "merge_partials",
+            "merge_partials",
+            ("merge_partials",),
+            2,
+            tuple(case for case, *_ in MERGE_CASES),
+            "the function does not return: it needs no collective and no loop, a few tensor "
+            "operations on its four arguments",
         ),
     )
 }
@@ -500,6 +511,36 @@ def check_find_drifted(find_drifted: Callable[..., Any], *, timeout: float = 20.
     return _check_one(_EXERCISES["find_drifted"], (find_drifted,), timeout)
 
 
+def check_merge_partials(
+    merge_partials: Callable[..., Any], *, timeout: float = 20.0
+) -> CheckResult:
+    """Check the log-sum-exp merge of two partial attention results, as ring attention needs.
+
+    The exercise: write ``merge_partials(out_a, lse_a, out_b, lse_b) -> (out, lse)``.
+    ``out_a`` ``(..., L, D)`` is the attention of L queries over block a of the keys alone, and
+    ``lse_a`` ``(..., L)`` the log of each row's softmax normalizer over that block; the same for
+    block b. Return the attention over both blocks and its log-sum-exp, with no overflow for
+    large scores, and with rows that no key reached (``lse`` ``-inf`` in both) left at 0 and
+    ``-inf``.
+
+    The checker compares with attention over both blocks on five cases (blocks of equal and
+    unequal size, scores near 1,000, a fully masked block, rows that see nothing), then runs
+    :func:`mgtutor.parallel.context.ring_attention` with your merge on 2 ranks, causal, against
+    full attention.
+
+    Args:
+        merge_partials: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``merge_partials`` is not a function.
+    """
+    return _check_one(_EXERCISES["merge_partials"], (merge_partials,), timeout)
+
+
 def _check(
     exercise: _Exercise | str,
     candidates: Sequence[tuple],
@@ -515,7 +556,7 @@ def _check(
         exercise: the exercise, or its key in ``_EXERCISES`` ("ring_average", "exact_accuracy",
             "accumulate", "snapshot", "global_batch_stats", "checked_all_reduce",
             "bytes_per_rank", "assign_buckets", "shard_indices", "serial_fraction",
-            "find_drifted").
+            "find_drifted", "merge_partials").
         candidates: tuples of the functions the exercise takes.
         timeout: seconds per launch, from when every rank started.
         label: added to each result's name ("reference solution").

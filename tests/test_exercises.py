@@ -498,6 +498,39 @@ def drifted_broadcast_in_place(model, atol=1e-6):
     return [rank for rank, flag in enumerate(flags) if flag]
 
 
+def merge_average(out_a, lse_a, out_b, lse_b):
+    return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
+
+
+def merge_not_rescaled(out_a, lse_a, out_b, lse_b):
+    return out_a + out_b, torch.logaddexp(lse_a, lse_b)
+
+
+def merge_lse_by_max(out_a, lse_a, out_b, lse_b):
+    """Weighs the outputs right, but keeps the larger lse: the next merge weighs wrong."""
+    out, _ = solutions.merge_partials(out_a, lse_a, out_b, lse_b)
+    return out, torch.maximum(lse_a, lse_b)
+
+
+def merge_naive_exp(out_a, lse_a, out_b, lse_b):
+    """Exponentiates the lses themselves: inf for scores above 709."""
+    a, b = torch.exp(lse_a), torch.exp(lse_b)
+    out = (a.unsqueeze(-1) * out_a + b.unsqueeze(-1) * out_b) / (a + b).unsqueeze(-1)
+    return out, torch.log(a + b)
+
+
+def merge_without_inf_guard(out_a, lse_a, out_b, lse_b):
+    """Subtracts the maximum, but -inf - (-inf) is NaN on rows no key reached."""
+    top = torch.maximum(lse_a, lse_b)
+    a, b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    out = (a.unsqueeze(-1) * out_a + b.unsqueeze(-1) * out_b) / (a + b).unsqueeze(-1)
+    return out, top + torch.log(a + b)
+
+
+def merge_returns_out_only(out_a, lse_a, out_b, lse_b):
+    return solutions.merge_partials(out_a, lse_a, out_b, lse_b)[0]
+
+
 # --- the tests ----------------------------------------------------------------------------
 
 
@@ -750,6 +783,31 @@ def test_find_drifted_passes_the_reference_and_catches_each_classic_mistake() ->
     assert _failed_with(rank_0, "rank 1: returned None", "not only rank 0"), rank_0
     assert _failed_with(mean, "rank 0 is in the list", "not the majority or the mean"), mean
     assert _failed_with(in_place, "parameters changed", "into a copy"), in_place
+
+
+def test_merge_partials_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    results = exercises._check(
+        "merge_partials",
+        [
+            (solutions.merge_partials,),
+            (merge_average,),
+            (merge_not_rescaled,),
+            (merge_lse_by_max,),
+            (merge_naive_exp,),
+            (merge_without_inf_guard,),
+            (merge_returns_out_only,),
+        ],
+    )
+    reference, average, unscaled, by_max, naive, unguarded, out_only = results
+    assert reference.passed, reference
+    assert _failed_with(average, "keys 0-5", "the average of the two outputs", "exp(lse_part"), (
+        average
+    )
+    assert _failed_with(unscaled, "keys 0-5", "not rescaled", "add up to 1"), unscaled
+    assert _failed_with(by_max, "keys 0-5", "out right, lse wrong", "not their maximum"), by_max
+    assert _failed_with(naive, "near 1,000", "inf", "never exponentiate an lse"), naive
+    assert _failed_with(unguarded, "rows 0-1", "both -inf", "-inf - (-inf) is nan"), unguarded
+    assert _failed_with(out_only, "returned one tensor", "return a pair (out, lse)"), out_only
 
 
 def test_a_stub_is_not_attempted_and_shows_the_reference_passing() -> None:

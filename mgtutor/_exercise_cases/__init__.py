@@ -31,6 +31,7 @@ from mgtutor._exercise_cases import (
     bytes_per_rank,
     checked_all_reduce,
     drift,
+    merge_partials,
     ring,
     scaling,
     shards,
@@ -44,6 +45,7 @@ from mgtutor._exercise_cases.buckets import BUCKET_CASES
 from mgtutor._exercise_cases.bytes_per_rank import BYTES_CASES
 from mgtutor._exercise_cases.checked_all_reduce import CHECKED_CASES
 from mgtutor._exercise_cases.drift import DRIFT_CASES
+from mgtutor._exercise_cases.merge_partials import MERGE_CASES
 from mgtutor._exercise_cases.ring import RING_CASES
 from mgtutor._exercise_cases.scaling import SCALING_CASES
 from mgtutor._exercise_cases.shards import SHARD_CASES
@@ -58,6 +60,7 @@ __all__ = [
     "CHECKED_CASES",
     "DRIFT_CASES",
     "EXERCISE_RUNNERS",
+    "MERGE_CASES",
     "RING_CASES",
     "SCALING_CASES",
     "SHARD_CASES",
@@ -80,6 +83,7 @@ EXERCISE_RUNNERS: dict[str, Callable[[bytes, int, str | None], list[Finding]]] =
     "shard_indices": shards.run,
     "serial_fraction": scaling.run,
     "find_drifted": drift.run,
+    "merge_partials": merge_partials.run,
 }
 
 
