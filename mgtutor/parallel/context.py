@@ -149,7 +149,9 @@ def ring_attention(
         causal: mask keys after each query.
         merge: the rule that combines partial results (the notebook's exercise swaps in yours).
         trace: a list to append one dict per forward step to: ``source`` (whose block),
-            ``pairs`` (query-key pairs computed), ``compute_s``, ``wait_s``.
+            ``pairs`` (query-key pairs computed), ``compute_s`` and ``wait_s`` (wall-clock
+            seconds computing, then waiting for the next block) and ``compute_cpu_s`` (this
+            process's CPU seconds computing, which other processes on the machine inflate less).
         group: the ring's process group; the default group if None.
 
     Returns:
@@ -188,7 +190,7 @@ class _RingAttention(torch.autograd.Function):
         held = torch.stack([k, v])
         for step in range(world):
             source = (rank - step) % world
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             if step < world - 1:
                 incoming, work = _exchange(held, group)
             k_pos = layout[source]
@@ -199,7 +201,7 @@ class _RingAttention(torch.autograd.Function):
                     q[..., rows, :], held[0][..., cols, :], held[1][..., cols, :], *masks, scale
                 )
                 out[..., rows, :], lse[..., rows] = merge(out[..., rows, :], lse[..., rows], *part)
-            computed = time.perf_counter()
+            computed, computed_cpu = time.perf_counter(), time.process_time()
             if step < world - 1:
                 for request in work:
                     request.wait()
@@ -210,6 +212,7 @@ class _RingAttention(torch.autograd.Function):
                         "source": source,
                         "pairs": len(rows) * len(cols),
                         "compute_s": computed - start,
+                        "compute_cpu_s": computed_cpu - start_cpu,
                         "wait_s": time.perf_counter() - computed,
                     }
                 )

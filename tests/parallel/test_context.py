@@ -147,6 +147,11 @@ def _ring_worker(shape: tuple[int, ...]) -> dict[Any, Any]:
                 "grads": [t.grad for t in local],
                 "pairs": [step["pairs"] for step in trace],
                 "sources": [step["source"] for step in trace],
+                "times": all(
+                    step[key] >= 0
+                    for step in trace
+                    for key in ("compute_s", "wait_s", "compute_cpu_s")
+                ),
             }
     # A ring over ranks 1 and 2 only: its neighbours are global ranks, not group ranks.
     pair = dist.new_group([1, 2])
@@ -194,6 +199,7 @@ def test_ring_counts_the_work_that_needed_block_predicts() -> None:
     assert per_rank == [n * n * (rank + 1) for rank in range(WORLD)]
     zigzag = [sum(r["zigzag", True]["pairs"]) for r in _ring_run()]
     assert zigzag == [zigzag[0]] * WORLD
+    assert all(r["zigzag", True]["times"] for r in _ring_run())
 
 
 def test_ring_over_a_subgroup_uses_global_ranks() -> None:
