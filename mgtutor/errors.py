@@ -34,10 +34,10 @@ class _MessageFirst(Exception):
     """An error IPython shows message first, without mgtutor's frames (see the module docstring)."""
 
     def _render_traceback_(self) -> list[str]:
-        return render_message_first(self)
+        return _render_message_first(self)
 
 
-def render_message_first(error: BaseException) -> list[str]:
+def _render_message_first(error: BaseException) -> list[str]:
     """The lines IPython shows for an mgtutor error: its message, then where the notebook called.
 
     The frames of mgtutor's own files, and those marked ``__tracebackhide__`` (IPython's own),
