@@ -326,11 +326,16 @@ def _hung(name: str, exercise: _Exercise, exc: WorkerTimeout, timeout: float) ->
     ]
     for rank in exc.running:
         stack = (exc.stacks.get(rank) or "").splitlines()
-        # The frames above the checker's call of the learner's function are the learner's.
+        # The frames below the checker's call of the learner's function are the learner's.
         inside = next(
             (i for i, line in enumerate(stack) if "_exercise_cases" in line and "_call" in line),
             None,
         )
+        if inside is not None:
+            inside = next(
+                (i for i in range(inside + 1, len(stack)) if stack[i].startswith("  File ")),
+                len(stack),
+            )
         if not stack:
             lines.append(f"Rank {rank}: no stack came back.")
         elif inside is None:
@@ -339,7 +344,7 @@ def _hung(name: str, exercise: _Exercise, exc: WorkerTimeout, timeout: float) ->
                 f"started it) and waited for the other ranks."
             )
         else:
-            lines += [f"Where rank {rank} was waiting (innermost call first):", *stack[:inside]]
+            lines += [f"Where rank {rank} was waiting (most recent call last):", *stack[inside:]]
     return CheckResult(
         name,
         FAILED,

@@ -50,7 +50,9 @@ def descendants(handles: list[RankHandle]) -> list[Any]:
     return found
 
 
-def stop_all(handles: list[RankHandle], primary: RankHandle | None = None) -> str:
+def stop_all(
+    handles: list[RankHandle], primary: RankHandle | None = None, owner: str = "this launch"
+) -> str:
     """Stop every rank still running and everything it started; say what was stopped.
 
     SIGTERM first, SIGKILL to whatever is left a second later.
@@ -58,6 +60,7 @@ def stop_all(handles: list[RankHandle], primary: RankHandle | None = None) -> st
     Args:
         handles: the ranks.
         primary: the rank the error is about; the sentence leaves it out.
+        owner: what the ranks belong to, for the sentence ("this launch", "this pool").
 
     Returns:
         A sentence for the error message ("Cleanup: stopped rank 1 (ended by SIGTERM). ...").
@@ -107,7 +110,7 @@ def stop_all(handles: list[RankHandle], primary: RankHandle | None = None) -> st
     stopped = "Cleanup: " + "; ".join(notes) + "." if notes else ""
     if left or left_children:
         return f"{stopped} Still running despite SIGKILL: ranks {left}, pids {left_children}."
-    return f"{stopped} No process of this launch is left running.".lstrip()
+    return f"{stopped} No process of {owner} is left running.".lstrip()
 
 
 def stop_leftovers(handles: list[RankHandle]) -> None:

@@ -147,6 +147,9 @@ def _mark_end(call: int) -> None:
 
 def _failure(exc: BaseException, context: str, call: int) -> Failed:
     tb = exc.__traceback__.tb_next if exc.__traceback__ else None
+    # The frames below fn (%%ddp's runner of a cell) are mgtutor's, not the learner's.
+    while tb is not None and tb.tb_next is not None and _is_mgtutor(tb.tb_frame):
+        tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     try:
         import cloudpickle
@@ -158,6 +161,13 @@ def _failure(exc: BaseException, context: str, call: int) -> Failed:
     return Failed(
         call, exc_type, str(exc), text, original, context, time.perf_counter(), _own_record()
     )
+
+
+def _is_mgtutor(frame: Any) -> bool:
+    import mgtutor
+
+    package = os.path.dirname(os.path.abspath(mgtutor.__file__)) + os.sep
+    return os.path.abspath(frame.f_code.co_filename).startswith(package)
 
 
 def _own_record() -> dict[str, Any] | None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import linecache
 import os
-import pickle
 import sys
 from collections.abc import Callable
 from typing import Any
 
+from mgtutor.errors import PicklingError
 from mgtutor.launcher._messages import Context
 
 _MAX_SOURCE_BYTES = 2_000_000
@@ -30,26 +30,115 @@ def context_now() -> Context:
 
 
 def pickle_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
+    """fn and its arguments pickled by value for the ranks.
+
+    Raises:
+        mgtutor.errors.PicklingError: something cannot be pickled; the message names the
+            variable or argument that holds it.
+    """
     import cloudpickle
 
     try:
         return cloudpickle.dumps((fn, args, kwargs))
     except Exception as exc:
-        culprit = "the function (or a global or closure variable it uses)"
-        parts: list[tuple[str, Any]] = [("fn", fn)]
-        parts += [(f"argument {i} ({type(a).__name__})", a) for i, a in enumerate(args)]
-        parts += [(f"keyword argument {k!r} ({type(v).__name__})", v) for k, v in kwargs.items()]
-        for name, value in parts:
-            try:
-                cloudpickle.dumps(value)
-            except Exception:
-                culprit = name if name != "fn" else culprit
-                break
-        raise pickle.PicklingError(
-            f"mgtutor could not send {culprit} to the workers: {exc}. Each worker is a "
-            f"new process and gets a pickled copy; create objects such as locks, open files, "
-            f"sockets or generators inside the function instead of passing them in."
+        culprit = _unsendable(fn, args, kwargs) or "fn (or something it uses)"
+        raise PicklingError(
+            f"mgtutor could not send {culprit} to the ranks: {exc}. Each rank is a new process "
+            f"and gets a pickled copy of fn, its arguments and the globals it uses; create "
+            f"objects such as locks, open files, sockets or generators inside the function "
+            f"instead of passing them in."
         ) from exc
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _fails(value: Any) -> bool:
+    import cloudpickle
+
+    try:
+        cloudpickle.dumps(value)
+        return False
+    except Exception:
+        return True
+
+
+def _unsendable(fn: Any, args: tuple, kwargs: dict) -> str | None:
+    """Name what cannot be pickled: an argument, or a variable fn (or a function it calls) uses."""
+    import inspect
+
+    try:
+        names = list(inspect.signature(fn).bind_partial(*args).arguments)
+    except (TypeError, ValueError):
+        names = []
+    for i, value in enumerate(args):
+        if _fails(value):
+            name = f"`{names[i]}` " if i < len(names) else ""
+            return f"argument {i} {name}(a {_type_name(value)})"
+    for key, value in kwargs.items():
+        if _fails(value):
+            return f"keyword argument `{key}` (a {_type_name(value)})"
+    return _in_function(fn, set())
+
+
+def _in_function(fn: Any, seen: set[int]) -> str | None:
+    """The closure variable, global or default of fn that cannot be pickled, named."""
+    import functools
+    import types
+
+    if isinstance(fn, functools.partial):
+        return _unsendable(fn.func, fn.args, fn.keywords)
+    if isinstance(fn, types.MethodType):
+        if _fails(fn.__self__):
+            owner = f"the object method {fn.__func__.__qualname__} is bound to"
+            return f"`self` ({owner}, a {_type_name(fn.__self__)})"
+        fn = fn.__func__
+    if not isinstance(fn, types.FunctionType) or id(fn) in seen:
+        return None
+    seen.add(id(fn))
+    code = fn.__code__
+    used: list[tuple[str, str, Any]] = []
+    for name, cell in zip(code.co_freevars, fn.__closure__ or ()):
+        try:
+            used.append((name, "closure variable", cell.cell_contents))
+        except ValueError:
+            continue  # an empty cell: nothing to send
+    for name in _global_names(code):
+        if name in fn.__globals__:
+            used.append((name, "global", fn.__globals__[name]))
+    defaults = _defaults(fn)
+    used += [(name, "default", value) for name, value in defaults.items()]
+    for name, kind, value in used:
+        if not _fails(value):
+            continue
+        deeper = _in_function(value, seen)
+        if deeper is not None:
+            return deeper
+        return f"`{name}` (a {kind} of {fn.__qualname__}, a {_type_name(value)})"
+    return None
+
+
+def _defaults(fn: Any) -> dict[str, Any]:
+    """fn's default argument values by parameter name."""
+    code = fn.__code__
+    values = fn.__defaults__ or ()
+    positional = code.co_varnames[: code.co_argcount]
+    found = dict(zip(positional[len(positional) - len(values) :], values))
+    found.update(fn.__kwdefaults__ or {})
+    return found
+
+
+def _global_names(code: Any) -> list[str]:
+    """The global names a code object (and the functions and classes nested in it) may read."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if hasattr(const, "co_names"):
+            names += _global_names(const)
+    return list(dict.fromkeys(names))
 
 
 def cell_sources() -> dict[str, list[str]]:

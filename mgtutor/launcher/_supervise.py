@@ -64,6 +64,15 @@ _SIGNAL_HINTS = {
     ),
 }
 
+# torch's message when a collective or a rank query runs before init_process_group (torch 2.4
+# to 2.14, distributed_c10d._get_default_group).
+_NO_GROUP = "Default process group has not been initialized"
+_NO_GROUP_HINT = (
+    " This rank used torch.distributed before joining a process group: call mgtutor.setup() "
+    '(or dist.init_process_group("gloo")) at the start of fn, before any collective or '
+    "get_rank()."
+)
+
 _GLOO_ABORT_HINT = (
     " On gloo, SIGABRT is gloo giving up: it ends a rank that receives more bytes than its "
     "tensor holds ('Received data size doesn't match expected size' above), when the ranks "
@@ -107,17 +116,32 @@ class RankHandle:
         return self.done is not None or self.failed_at is not None
 
 
+@dataclass(frozen=True)
+class Wording:
+    """How a supervisor's errors name what ran and whose ranks were stopped.
+
+    Attributes:
+        work: what ran, at the start of a sentence ("fn"; "The %%ddp cell").
+        owner: whose processes are gone ("No process of this launch is left running").
+        note: added to every error that stopped the ranks ("" for a launch).
+    """
+
+    work: str = "fn"
+    owner: str = "this launch"
+    note: str = ""
+
+
 class Supervisor:
     """Watches the ranks of one pool (or one launch) and stops them when it must.
 
     Args:
-        pool_note: added to every error that stopped the ranks ("" for a launch).
+        wording: how its errors name what ran (a launch's by default).
     """
 
-    def __init__(self, pool_note: str = "") -> None:
+    def __init__(self, wording: Wording | None = None) -> None:
         self.handles: list[RankHandle] = []
         self.board: ProgressBoard | None = None
-        self.pool_note = pool_note
+        self.wording = wording or Wording()
         self.stopped = False  # the ranks were stopped after a fault
         # rank -> the file its doctor responder writes its record to (mgtutor.doctor).
         self.dump_paths: dict[int, str] = {}
@@ -333,9 +357,9 @@ class Supervisor:
             )
 
     def _stop(self, primary: RankHandle | None = None) -> str:
-        cleanup = _cleanup.stop_all(self.handles, primary)
+        cleanup = _cleanup.stop_all(self.handles, primary, self.wording.owner)
         self.stopped = True
-        return f"{cleanup} {self.pool_note}".strip()
+        return f"{cleanup} {self.wording.note}".strip()
 
     def _raise_failure(self, targets: list[RankHandle], keep: bool) -> None:
         # Let near-simultaneous reports arrive, then blame the rank that failed first: when one
@@ -384,7 +408,7 @@ class Supervisor:
             cleanup = self._stop(primary=first)
             self._drain(_DRAIN_GRACE_S)
             where = "".join(
-                f"\nWhere rank {h.rank} was (most recent call first):\n{stacks[h.rank]}"
+                f"\nWhere rank {h.rank} was (most recent call last):\n{stacks[h.rank]}"
                 for h in stuck
             )
             first.error = first.error and _with_note(
@@ -418,6 +442,8 @@ class Supervisor:
                     original = None
             if error.context == "raised":
                 summary = f"rank {h.rank} raised {error.exc_type}: {error.message}"
+                if _NO_GROUP in error.message:
+                    summary += _NO_GROUP_HINT
             else:
                 summary = f"rank {h.rank} {error.context}: {error.exc_type}: {error.message}"
             return WorkerError(
@@ -488,9 +514,10 @@ class Supervisor:
             )
         else:
             summary = (
-                f"fn ran past its timeout of {timeout:g} s; ranks still running: {names}. A "
-                f"rank that waits in a collective (all_reduce, barrier, ...) that another rank "
-                f"never calls waits until it is stopped: look at the stacks below."
+                f"{self.wording.work} ran past its timeout of {timeout:g} s; ranks still "
+                f"running: {names}. A rank that waits in a collective (all_reduce, barrier, "
+                f"...) that another rank never calls waits until it is stopped: look at the "
+                f"stacks below."
             )
         raise WorkerTimeout(
             summary,
@@ -660,8 +687,9 @@ def _with_note(error: Failed, note: str) -> Failed:
 
 
 _FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
-# Functions below fn on a rank's stack: mgtutor's own start-up and call loop.
-_ENTRY_FRAMES = ("_run_call", "rank_main")
+# Functions below fn on a rank's stack: mgtutor's own start-up and call loop (and %%ddp's
+# runner of a cell's code, below the cell).
+_ENTRY_FRAMES = ("_run_source", "_measured_call", "_run_call", "rank_main")
 
 
 def _format_stack(dump: bytes, main_ident: int | None) -> str:
@@ -685,8 +713,9 @@ def _format_stack(dump: bytes, main_ident: int | None) -> str:
             frames.append(f"{text}\n    {source}" if source else text)
             if frame["func"] in _ENTRY_FRAMES:
                 break  # still starting up: mgtutor's own line says what it was doing
+    frames.reverse()  # faulthandler lists the innermost frame first; Python's order is last
     if len(frames) > _MAX_FRAMES:
-        # Keep the innermost frames (what it waits in) and the outermost (the user's fn).
+        # Keep the outermost frames (the user's fn) and the innermost (what it waits in).
         hidden = len(frames) - _MAX_FRAMES
-        frames = [*frames[:6], f"  ... {hidden} frames omitted ...", *frames[-(_MAX_FRAMES - 6) :]]
+        frames = [*frames[: _MAX_FRAMES - 6], f"  ... {hidden} frames omitted ...", *frames[-6:]]
     return "\n".join(frames)

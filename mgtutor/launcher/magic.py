@@ -34,6 +34,7 @@ import symtable
 import sys
 from typing import Any
 
+from mgtutor.launcher._supervise import Wording
 from mgtutor.launcher.pool import Pool
 
 __all__ = ["load_ipython_extension", "current_pool"]
@@ -63,6 +64,14 @@ rank; ranks blocked in a collective cannot be interrupted and are stopped instea
 """
 
 
+_DDP_WORDING = Wording(
+    work="The %%ddp cell",
+    owner="the %%ddp ranks",
+    note="The %%ddp ranks were stopped; the next %%ddp cell starts new ones (what they held is "
+    "lost).",
+)
+
+
 def current_pool() -> Pool | None:
     """The pool that ``%%ddp`` cells run on, if one was started."""
     return _state["pool"]
@@ -78,7 +87,7 @@ def _pool() -> Pool:
             file=sys.stderr,
             flush=True,
         )
-        pool = Pool(options["world_size"], options["backend"])
+        pool = Pool(options["world_size"], options["backend"], _wording=_DDP_WORDING)
         pool._push_advice = "%ddp_push {names}"
         backend = f" --backend {options['backend']}" if options["backend"] else ""
         pool._restart_advice = f"%ddp_start -n {options['world_size']}{backend}"

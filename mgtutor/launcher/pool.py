@@ -38,7 +38,7 @@ from mgtutor.doctor import DUMP_PATH_ENV
 from mgtutor.errors import WorkerError
 from mgtutor.launcher import _namespace, _processes, _send
 from mgtutor.launcher._messages import Call, Exit
-from mgtutor.launcher._supervise import RankHandle, Supervisor
+from mgtutor.launcher._supervise import RankHandle, Supervisor, Wording
 from mgtutor.measure.progress import ProgressBoard
 from mgtutor.measure.run import RankResult, Run
 from mgtutor.measure.timing import PhaseRecord
@@ -107,6 +107,7 @@ class Pool:
         start_method: str | None = None,
         join_group: bool = True,
         _one_call: bool = False,
+        _wording: Wording | None = None,
     ) -> None:
         if _processes.in_worker_bootstrap():
             raise RuntimeError(
@@ -120,6 +121,9 @@ class Pool:
         self.start_method = start_method or _processes.DEFAULT_START_METHOD
         self.join_group = join_group
         self._one_call = _one_call
+        self._wording = _wording or (
+            Wording() if _one_call else Wording(owner="this pool", note=_POOL_NOTE)
+        )
         self._calls = 0
         self._supervisor: Supervisor | None = None
         self._store: Any = None
@@ -141,7 +145,7 @@ class Pool:
         self._store = _processes.host_store(self.world_size)
         common = _processes.worker_environment(self.world_size, self.backend, self._store.port)
         ctx = _processes.context_for(self.start_method)
-        supervisor = Supervisor("" if self._one_call else _POOL_NOTE)
+        supervisor = Supervisor(self._wording)
         self._supervisor = supervisor
         # Where each rank's doctor answers with its record of collectives (mgtutor.doctor).
         self._dump_dir = tempfile.mkdtemp(prefix="mgtutor-fr-")
