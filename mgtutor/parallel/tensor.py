@@ -21,7 +21,9 @@ row-parallel biases) then see only this rank's tokens: :func:`all_reduce_replica
 their gradients after backward.
 
 Every split layer is built from the one-process layer, so each rank's slice can be checked
-against the whole: :func:`shard_of` says which rows and columns of which weight a rank holds.
+against the whole: :func:`shard_of` says which rows and columns of which parameter a rank
+holds, :func:`take_shard` cuts that part out of a one-process tensor, and
+:func:`gradient_errors` compares every gradient with its part of the one-process one.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ __all__ = [
     "ParallelMLP",
     "RowParallelLinear",
     "all_reduce_replicated_grads",
+    "gradient_errors",
     "shard_of",
+    "take_shard",
 ]
 
 SEQUENCE_DIM = 1  # inputs are (batch, sequence, features)
@@ -254,19 +258,57 @@ def all_reduce_replicated_grads(modules: Any) -> None:
 
 
 def shard_of(module: nn.Module) -> dict[str, dict[str, Any]]:
-    """Which rows and columns of each weight this rank holds, by the parameter's name.
+    """Which rows and columns of each parameter of the split layers this rank holds.
 
     Returns:
-        For each weight of a column- or row-parallel layer: ``{"rows": (start, stop) or None,
-        "cols": (start, stop) or None, "shape": local shape}``; None means all of them.
+        By parameter name, for the column- and row-parallel layers: ``{"rows": (start, stop)
+        or None, "cols": (start, stop) or None, "shape": the local shape}``, None meaning all
+        of them (a row-parallel bias is whole on every rank).
     """
     out = {}
     for name, layer in module.named_modules():
         if isinstance(layer, ColumnParallelLinear):
             out[f"{name}.weight"] = {"rows": layer.rows, "cols": None}
+            out[f"{name}.bias"] = {"rows": layer.rows, "cols": None}
         elif isinstance(layer, RowParallelLinear):
             out[f"{name}.weight"] = {"rows": None, "cols": layer.cols}
+            out[f"{name}.bias"] = {"rows": None, "cols": None}
         else:
             continue
         out[f"{name}.weight"]["shape"] = tuple(layer.weight.shape)
+        out[f"{name}.bias"]["shape"] = tuple(layer.bias.shape)
+    return out
+
+
+def take_shard(tensor: torch.Tensor, shard: dict[str, Any] | None) -> torch.Tensor:
+    """The part of a one-process ``tensor`` that a rank holds, by :func:`shard_of`'s entry."""
+    if shard is None:
+        return tensor
+    if shard["rows"] is not None:
+        tensor = tensor[shard["rows"][0] : shard["rows"][1]]
+    if shard["cols"] is not None:
+        tensor = tensor[:, shard["cols"][0] : shard["cols"][1]]
+    return tensor
+
+
+def gradient_errors(reference: nn.Module, parallel: nn.Module) -> dict[str, float]:
+    """Largest difference of each split parameter's gradient from its part of the reference's.
+
+    Args:
+        reference: the one-process module, after its backward.
+        parallel: the module split from it (same parameter names), after its backward.
+
+    Returns:
+        By parameter name, the largest absolute difference (``inf`` where a gradient is
+        missing).
+    """
+    shards = shard_of(parallel)
+    full = dict(reference.named_parameters())
+    out = {}
+    for name, p in parallel.named_parameters():
+        want = full[name].grad
+        if p.grad is None or want is None:
+            out[name] = float("inf")
+            continue
+        out[name] = (p.grad - take_shard(want, shards.get(name))).abs().max().item()
     return out

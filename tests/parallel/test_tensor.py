@@ -43,21 +43,8 @@ def _reference() -> tuple[tp.Block, torch.Tensor, torch.Tensor]:
     return block, x, out.detach()
 
 
-def _expected_grad(block: nn.Module, name: str, shards: dict, rank: int, world: int):
-    full = dict(block.named_parameters())[name].grad
-    if name in shards:
-        rows, cols = shards[name]["rows"], shards[name]["cols"]
-        return full[rows[0] : rows[1]] if rows else full[:, cols[0] : cols[1]]
-    split_bias = name.endswith("bias") and name.split(".")[-2] in ("q", "k", "v", "up")
-    return full.chunk(world)[rank] if split_bias else full
-
-
 def _gradient_errors(block, parallel, rank, world) -> dict[str, float]:
-    shards = tp.shard_of(parallel)
-    return {
-        name: (p.grad - _expected_grad(block, name, shards, rank, world)).abs().max().item()
-        for name, p in parallel.named_parameters()
-    }
+    return tp.gradient_errors(block, parallel)
 
 
 def _functions(rank: int, world: int) -> dict[str, Any]:
@@ -325,7 +312,10 @@ def test_each_rank_holds_its_own_rows_and_columns(measured):
     cols = [result["blocks"]["tp"]["shards"]["mlp.down.weight"]["cols"] for result in measured]
     assert rows == [(0, HIDDEN // 2), (HIDDEN // 2, HIDDEN)]
     assert cols == [(0, HIDDEN // 2), (HIDDEN // 2, HIDDEN)]
-    assert measured[0]["blocks"]["tp"]["shards"]["attn.o.weight"]["shape"] == (DIM, DIM // 2)
+    shards = measured[0]["blocks"]["tp"]["shards"]
+    assert shards["attn.o.weight"]["shape"] == (DIM, DIM // 2)
+    assert shards["attn.q.bias"] == {"rows": (0, DIM // 2), "cols": None, "shape": (DIM // 2,)}
+    assert shards["attn.o.bias"] == {"rows": None, "cols": None, "shape": (DIM,)}
 
 
 def _needs_dtensor(measured):
