@@ -9,8 +9,9 @@ Three functions, one record:
   counted twice; a sharded parameter (a DTensor, as FSDP2's ``fully_shard`` makes) counts by the
   shard this rank holds, padding included.
 * :func:`estimate` computes the same categories per rank before anything runs, for DDP,
-  ZeRO-1 (DDP plus ``ZeroRedundancyOptimizer``) and FSDP (``fully_shard``), following what
-  torch 2.14 does (see its docstring for each rule and what it leaves out).
+  ZeRO-1 (DDP plus ``ZeroRedundancyOptimizer``), FSDP (``fully_shard``) and tensor parallelism
+  (``parallelize_module``), following what torch 2.14 does (see its docstring for each rule
+  and what it leaves out).
 * :func:`plot_breakdown` draws one stacked bar per rank.
 
 Activations and peaks come from the allocator, not from the tensors: on a GPU rank

@@ -43,10 +43,6 @@ def _reference() -> tuple[tp.Block, torch.Tensor, torch.Tensor]:
     return block, x, out.detach()
 
 
-def _gradient_errors(block, parallel, rank, world) -> dict[str, float]:
-    return tp.gradient_errors(block, parallel)
-
-
 def _functions(rank: int, world: int) -> dict[str, Any]:
     """Each function's forward value and the gradient it hands back, on small tensors."""
     out = {}
@@ -76,13 +72,13 @@ def _split_blocks(block, x, ref, rank, world) -> dict[str, Any]:
         with count_collectives() as calls:
             y = parallel(mine)
             y.pow(2).sum().backward()
-            unsynced = _gradient_errors(block, parallel, rank, world)
+            unsynced = tp.gradient_errors(block, parallel)
             if sp:
                 tp.all_reduce_replicated_grads(parallel)
         label = "sp" if sp else "tp"
         out[label] = {
             "out": (y - (ref.chunk(world, 1)[rank] if sp else ref)).abs().max().item(),
-            "grads": _gradient_errors(block, parallel, rank, world),
+            "grads": tp.gradient_errors(block, parallel),
             "unsynced": unsynced,
             "calls": [(c.name, c.phase, c.nbytes) for c in calls],
             "shards": tp.shard_of(parallel),
