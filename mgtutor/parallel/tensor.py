@@ -140,7 +140,8 @@ class ColumnParallelLinear(nn.Module):
         self.enter = enter
         self.rows = (rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
         self.weight = nn.Parameter(_piece(linear.weight, 0, rank, world, "the weight"))
-        self.bias = nn.Parameter(_piece(linear.bias, 0, rank, world, "the bias"))
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(_piece(bias, 0, rank, world, "the bias"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter == "copy":
@@ -165,13 +166,16 @@ class RowParallelLinear(nn.Module):
         self.leave = leave
         self.cols = (rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
         self.weight = nn.Parameter(_piece(linear.weight, 1, rank, world, "the weight"))
-        self.bias = nn.Parameter(linear.bias.detach().clone())  # whole: added once, after the sum
+        bias = linear.bias  # whole on every rank: added once, after the sum
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
         if self.leave == "scatter":
-            return reduce_scatter_to_sequence(partial, SEQUENCE_DIM) + self.bias
-        return reduce_from_parallel(partial) + self.bias
+            y = reduce_scatter_to_sequence(partial, SEQUENCE_DIM)
+        else:
+            y = reduce_from_parallel(partial)
+        return y if self.bias is None else y + self.bias
 
 
 class ParallelMLP(nn.Module):
@@ -224,12 +228,8 @@ class ParallelBlock(nn.Module):
 
     def replicated_parameters(self) -> list[nn.Parameter]:
         """The parameters every rank keeps whole: the norms and the row-parallel biases."""
-        return [
-            *self.norm1.parameters(),
-            *self.norm2.parameters(),
-            self.attn.o.bias,
-            self.mlp.down.bias,
-        ]
+        biases = [b for b in (self.attn.o.bias, self.mlp.down.bias) if b is not None]
+        return [*self.norm1.parameters(), *self.norm2.parameters(), *biases]
 
 
 def _copy_of(norm: nn.LayerNorm) -> nn.LayerNorm:
@@ -276,7 +276,10 @@ def shard_of(module: nn.Module) -> dict[str, dict[str, Any]]:
         else:
             continue
         out[f"{name}.weight"]["shape"] = tuple(layer.weight.shape)
-        out[f"{name}.bias"]["shape"] = tuple(layer.bias.shape)
+        if layer.bias is None:
+            del out[f"{name}.bias"]
+        else:
+            out[f"{name}.bias"]["shape"] = tuple(layer.bias.shape)
     return out
 
 

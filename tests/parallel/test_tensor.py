@@ -187,6 +187,21 @@ def _torch_way(block, x, ref, rank, world) -> dict[str, Any] | str:
     return out
 
 
+def _without_bias(rank, world) -> dict[str, float]:
+    """An MLP of bias-free linears, split: output and gradients against one process."""
+    torch.manual_seed(1)
+    mlp = tp.MLP(DIM, HIDDEN).double()
+    mlp.up, mlp.down = nn.Linear(DIM, HIDDEN, bias=False), nn.Linear(HIDDEN, DIM, bias=False)
+    mlp.double()
+    x = torch.randn(BATCH, SEQ, DIM, dtype=torch.float64)
+    full = mlp(x)
+    full.pow(2).sum().backward()
+    parallel = tp.ParallelMLP(mlp)
+    y = parallel(x)
+    y.pow(2).sum().backward()
+    return {"out": (y - full).abs().max().item(), **tp.gradient_errors(mlp, parallel)}
+
+
 def _errors(world) -> dict[str, str]:
     out = {}
     for label, make in (
@@ -214,6 +229,7 @@ def _worker() -> dict[str, Any]:
         "torch": _torch_way(block, x, ref, rank, world),
         "activations": _activations(rank, world),
         "errors": _errors(world),
+        "without bias": _without_bias(rank, world),
         "params": {n: p.numel() for n, p in block.named_parameters()},
     }
 
@@ -417,3 +433,10 @@ def test_shapes_that_do_not_split_are_refused_with_what_to_do(measured):
     assert "shape (3,)" in errors["features"] or "shape (3, 4)" in errors["features"]
     assert "multiples of the world size" in errors["features"]
     assert "make the sequence a multiple of 2" in errors["sequence"]
+
+
+def test_linears_without_bias_split_too(measured):
+    for result in measured:
+        errors = result["without bias"]
+        assert set(errors) == {"out", "up.weight", "down.weight"}
+        assert max(errors.values()) < 1e-12, errors
