@@ -22,7 +22,7 @@ The checkers: :func:`check_ring_average` (notebook 02), :func:`check_exact_accur
 :func:`check_shard_indices` (06), :func:`check_buckets` (07),
 :func:`check_serial_fraction` (08), :func:`check_snapshot` (09),
 :func:`check_checked_all_reduce` (10), :func:`check_find_drifted` (11),
-:func:`check_bytes_per_rank` (12).
+:func:`check_bytes_per_rank` (12), :func:`check_tensor_parallel_pair` (13).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from mgtutor.exercises.cases import (
     BYTES_CASES,
     CHECKED_CASES,
     DRIFT_CASES,
+    PAIR_CASES,
     RING_CASES,
     SCALING_CASES,
     SHARD_CASES,
@@ -60,6 +61,7 @@ __all__ = [
     "check_serial_fraction",
     "check_shard_indices",
     "check_snapshot",
+    "check_tensor_parallel_pair",
 ]
 
 _EXERCISES = {
@@ -181,6 +183,15 @@ _EXERCISES = {
             tuple(case for case, *_ in DRIFT_CASES),
             "a collective that not every rank calls waits forever: call the same collectives on "
             "every rank, rank 0 included, whatever its own verdict",
+        ),
+        _Exercise(
+            "tensor_parallel_pair",
+            "copy_to_parallel / reduce_from_parallel",
+            ("copy_to_parallel", "reduce_from_parallel"),
+            2,
+            PAIR_CASES,
+            "a collective that not every rank calls waits forever: each function's all-reduce "
+            "runs on every rank, with no condition on the rank",
         ),
     )
 }
@@ -500,6 +511,42 @@ def check_find_drifted(find_drifted: Callable[..., Any], *, timeout: float = 20.
     return _check_one(_EXERCISES["find_drifted"], (find_drifted,), timeout)
 
 
+def check_tensor_parallel_pair(
+    copy_to_parallel: Callable[..., Any],
+    reduce_from_parallel: Callable[..., Any],
+    *,
+    timeout: float = 20.0,
+) -> CheckResult:
+    """Check Megatron-LM's f and g, the conjugate pair around a tensor-parallel region.
+
+    The exercise: write ``copy_to_parallel(x)`` (f: x unchanged in forward, its gradient
+    all-reduced in backward) and ``reduce_from_parallel(x)`` (g: x all-reduced in forward, the
+    gradient unchanged in backward), each returning ``SomeFunction.apply(x)`` of a
+    ``torch.autograd.Function`` you write.
+
+    The checker runs them on 2 ranks: each function alone, forward and backward, with a
+    different input and a different upstream gradient on each rank; then an MLP split
+    column-wise (the up layer's rows) then row-wise (the down layer's columns) with ``f``
+    before it and ``g`` after it, whose output and every gradient must equal the same MLP in
+    one process. It recognizes an all-reduce in both directions, none at all, a sum where a
+    copy belongs, and a mean where a sum belongs.
+
+    Args:
+        copy_to_parallel: your f.
+        reduce_from_parallel: your g.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: either argument is not a function.
+    """
+    return _check_one(
+        _EXERCISES["tensor_parallel_pair"], (copy_to_parallel, reduce_from_parallel), timeout
+    )
+
+
 def _check(
     exercise: _Exercise | str,
     candidates: Sequence[tuple],
@@ -515,7 +562,7 @@ def _check(
         exercise: the exercise, or its key in ``_EXERCISES`` ("ring_average", "exact_accuracy",
             "accumulate", "snapshot", "global_batch_stats", "checked_all_reduce",
             "bytes_per_rank", "assign_buckets", "shard_indices", "serial_fraction",
-            "find_drifted").
+            "find_drifted", "tensor_parallel_pair").
         candidates: tuples of the functions the exercise takes.
         timeout: seconds per launch, from when every rank started.
         label: added to each result's name ("reference solution").

@@ -20,10 +20,12 @@ __all__ = [
     "assign_buckets",
     "bytes_per_rank",
     "checked_all_reduce",
+    "copy_to_parallel",
     "exact_accuracy",
     "find_drifted",
     "global_batch_stats",
     "load_snapshot",
+    "reduce_from_parallel",
     "ring_average",
     "save_snapshot",
     "serial_fraction",
@@ -200,3 +202,41 @@ def assign_buckets(
     if bucket:
         buckets.append(bucket)
     return buckets
+
+
+class _Copy(torch.autograd.Function):
+    """Copy in forward, all-reduce in backward: Megatron-LM's f."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()  # autograd may pass the same gradient elsewhere
+        dist.all_reduce(grad)
+        return grad
+
+
+class _Reduce(torch.autograd.Function):
+    """All-reduce in forward, copy in backward: Megatron-LM's g."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def copy_to_parallel(x: torch.Tensor) -> torch.Tensor:
+    """Enter a tensor-parallel region: x unchanged; its gradient summed over the ranks."""
+    return _Copy.apply(x)
+
+
+def reduce_from_parallel(x: torch.Tensor) -> torch.Tensor:
+    """Leave a tensor-parallel region: the ranks' partial sums added; the gradient unchanged."""
+    return _Reduce.apply(x)

@@ -9,8 +9,9 @@ Three functions, one record:
   counted twice; a sharded parameter (a DTensor, as FSDP2's ``fully_shard`` makes) counts by the
   shard this rank holds, padding included.
 * :func:`estimate` computes the same categories per rank before anything runs, for DDP,
-  ZeRO-1 (DDP plus ``ZeroRedundancyOptimizer``) and FSDP (``fully_shard``), following what
-  torch 2.14 does (see its docstring for each rule and what it leaves out).
+  ZeRO-1 (DDP plus ``ZeroRedundancyOptimizer``), FSDP (``fully_shard``) and tensor parallelism
+  (``parallelize_module``), following what torch 2.14 does (see its docstring for each rule
+  and what it leaves out).
 * :func:`plot_breakdown` draws one stacked bar per rank.
 
 Activations and peaks come from the allocator, not from the tensors: on a GPU rank
@@ -68,7 +69,8 @@ OPTIMIZER_STATE_PER_ELEMENT: dict[str, tuple[int, bool]] = {
     "rmsprop": (1, True),
 }
 
-_STRATEGIES = ("ddp", "zero1", "fsdp")
+_STRATEGIES = ("ddp", "zero1", "fsdp", "tp")
+_TP_STYLES = {"colwise": (0, 0), "rowwise": (1, None)}  # dim split: weight, bias (None: whole)
 _COLOURS = {
     "parameters": "#66c2a5",
     "gradients": "#fc8d62",
@@ -331,8 +333,9 @@ def estimate(
     strategy: str = "ddp",
     gradient_as_bucket_view: bool = False,
     fsdp_units: Sequence[nn.Module] | None = None,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> list[MemoryBreakdown]:
-    """Bytes per rank by category for a model trained with DDP, ZeRO-1 or FSDP (torch 2.14).
+    """Bytes per rank by category for a model trained with DDP, ZeRO-1, FSDP or TP (torch 2.14).
 
     The rules, per rank (P = parameter bytes, S = optimizer state per parameter byte, from
     :data:`OPTIMIZER_STATE_PER_ELEMENT`):
@@ -349,6 +352,14 @@ def estimate(
       the unpadded shard). ``transient`` is the largest unit's unsharded (padded) parameters,
       all-gathered for its forward and backward, plus its unsharded gradients, which autograd
       makes in that unit's backward and which live until they are reduce-scattered.
+    * ``"tp"``: tensor parallelism, ``parallelize_module`` with ``tp_plan`` mapping a Linear's
+      name to ``"colwise"`` (``ColwiseParallel``: weight and bias ``Shard(0)``) or
+      ``"rowwise"`` (``RowwiseParallel``: weight ``Shard(1)``, bias ``Replicate()``). A sharded
+      tensor is cut with ``torch.chunk`` and not padded (a DTensor's local shard); every
+      other parameter is whole on every rank (``SequenceParallel``'s norms included).
+      Parameters, gradients and optimizer state each take the local size; no communication
+      buffer stays between steps. The same rules hold for :mod:`mgtutor.parallel.tensor`'s
+      layers built by hand, which keep the same slices.
 
     Adam's, AdamW's, Adagrad's and RMSprop's ``step`` counters add 4 bytes per parameter tensor
     (counted when a module is given; a bare count has no tensors to count). Left out
@@ -366,12 +377,15 @@ def estimate(
         strategy: "ddp", "zero1" or "fsdp".
         gradient_as_bucket_view: DDP's option of that name (ddp and zero1).
         fsdp_units: the submodules given ``fully_shard`` before the root (fsdp with a module).
+        tp_plan: for "tp", the module names of the split Linears and their style, "colwise" or
+            "rowwise".
 
     Returns:
         One :class:`MemoryBreakdown` per rank, in rank order.
 
     Raises:
-        ValueError: for an unknown strategy or optimizer, or a world size below 1.
+        ValueError: for an unknown strategy or optimizer, or a world size below 1; for "tp"
+            without a module, with an unknown style or a name that is not a Linear.
     """
     import torch
     from torch import nn
@@ -425,6 +439,8 @@ def estimate(
                 )
             )
         return out
+    if strategy == "tp":
+        return _estimate_tp(module, tp_plan or {}, world_size, item, per_element, step_bytes)
     units = _fsdp_unit_shapes(module, tensors, fsdp_units) if module is not None else [shapes]
     # An all-gather fills world_size padded shards: the unit's unsharded size, padding included.
     largest = (
@@ -448,6 +464,56 @@ def estimate(
                 optimizer_state=held * item * per_element + step_bytes * len(shapes),
                 communication=0,
                 transient=2 * largest * item,
+            )
+        )
+    return out
+
+
+def _estimate_tp(
+    module: nn.Module | None,
+    plan: Mapping[str, str],
+    world_size: int,
+    item: int,
+    per_element: int,
+    step_bytes: int,
+) -> list[MemoryBreakdown]:
+    """Per rank: each parameter's local shard under ``parallelize_module(module, mesh, plan)``."""
+    from torch import nn
+
+    if module is None:
+        raise ValueError("strategy 'tp' needs the module: a bare count does not say what is split")
+    split: dict[int, int | None] = {}
+    for name, style in plan.items():
+        if style not in _TP_STYLES:
+            raise ValueError(
+                f"tp_plan[{name!r}] must be one of {sorted(_TP_STYLES)}, got {style!r}"
+            )
+        layer = module.get_submodule(name)
+        if not isinstance(layer, nn.Linear):
+            raise ValueError(f"tp_plan names {name!r}, a {type(layer).__name__}, not an nn.Linear")
+        weight_dim, bias_dim = _TP_STYLES[style]
+        split[id(layer.weight)] = weight_dim
+        if layer.bias is not None:
+            split[id(layer.bias)] = bias_dim
+    out = []
+    for rank in range(world_size):
+        held = tensors = 0
+        for p in module.parameters():
+            if not p.requires_grad:
+                continue
+            dim = split.get(id(p))
+            shape = list(p.shape)
+            if dim is not None:
+                shape[dim] = _fsdp_rows(shape[dim], world_size, rank)[0]
+            held += math.prod(shape)
+            tensors += 1
+        buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+        out.append(
+            MemoryBreakdown(
+                parameters=held * item + buffers,
+                gradients=held * item,
+                optimizer_state=held * item * per_element + step_bytes * tensors,
+                communication=0,
             )
         )
     return out

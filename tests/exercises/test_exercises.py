@@ -499,6 +499,62 @@ def drifted_broadcast_in_place(model, atol=1e-6):
     return [rank for rank, flag in enumerate(flags) if flag]
 
 
+class _AllReduceBoth(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Mean(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x / dist.get_world_size()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def pair_all_reduce_both(x):
+    """An all-reduce in both directions, for f and g alike."""
+    return _AllReduceBoth.apply(x)
+
+
+def pair_no_collective(x):
+    return _Identity.apply(x)
+
+
+def pair_mean(x):
+    return _Mean.apply(x)
+
+
+def pair_plain_all_reduce(x):
+    """No autograd.Function: dist.all_reduce on a copy, which autograd cannot see through."""
+    x = x.detach().clone()
+    dist.all_reduce(x)
+    return x
+
+
 # --- the tests ----------------------------------------------------------------------------
 
 
@@ -801,3 +857,31 @@ def test_results_read_well_as_text_and_html() -> None:
     assert repr(result) == "f: FAILED\n  Case 'x', rank 1: wrong <b>.\n  Hint: look."
     assert "&lt;b&gt;" in result._repr_html_() and "<li>x</li>" in result._repr_html_()
     assert not result.passed and CheckResult("f", "passed", "ok").passed
+
+
+def test_tensor_parallel_pair_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    f, g = solutions.copy_to_parallel, solutions.reduce_from_parallel
+    results = exercises._check(
+        "tensor_parallel_pair",
+        [
+            (f, g),
+            (pair_all_reduce_both, g),  # f sums where it should copy
+            (f, pair_all_reduce_both),  # g all-reduces in both directions
+            (pair_no_collective, g),  # f never all-reduces
+            (f, pair_no_collective),  # g never all-reduces
+            (g, f),  # the two swapped
+            (f, pair_mean),
+            (f, pair_plain_all_reduce),
+        ],
+    )
+    reference, f_sums, g_both, f_none, g_none, swapped, mean, plain = results
+    assert reference.passed, reference
+    assert _failed_with(f_sums, "copy_to_parallel's forward", "all-reduces where it should copy"), (
+        f_sums
+    )
+    assert _failed_with(g_both, "reduce_from_parallel's backward", "both directions"), g_both
+    assert _failed_with(f_none, "copy_to_parallel's backward", "does not all-reduce"), f_none
+    assert _failed_with(g_none, "reduce_from_parallel's forward", "does not all-reduce"), g_none
+    assert _failed_with(swapped, "copy_to_parallel's forward", "sum over the ranks"), swapped
+    assert _failed_with(mean, "mean over the ranks", "do not average"), mean
+    assert _failed_with(plain, "reduce_from_parallel's backward", "autograd.Function"), plain

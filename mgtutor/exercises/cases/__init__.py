@@ -35,6 +35,7 @@ from mgtutor.exercises.cases import (
     scaling,
     shards,
     snapshot,
+    tensor_pair,
 )
 from mgtutor.exercises.cases._common import Finding, LearnerFailed
 from mgtutor.exercises.cases.accumulation import ACCUMULATION_CASES
@@ -48,6 +49,7 @@ from mgtutor.exercises.cases.ring import RING_CASES
 from mgtutor.exercises.cases.scaling import SCALING_CASES
 from mgtutor.exercises.cases.shards import SHARD_CASES
 from mgtutor.exercises.cases.snapshot import SNAPSHOT_EPOCHS, TrainingJob
+from mgtutor.exercises.cases.tensor_pair import PAIR_CASES
 
 __all__ = [
     "ACCUMULATION_CASES",
@@ -64,6 +66,7 @@ __all__ = [
     "SNAPSHOT_EPOCHS",
     "Finding",
     "LearnerFailed",
+    "PAIR_CASES",
     "TrainingJob",
     "run_candidates",
 ]
@@ -80,6 +83,7 @@ EXERCISE_RUNNERS: dict[str, Callable[[bytes, int, str | None], list[Finding]]] =
     "shard_indices": shards.run,
     "serial_fraction": scaling.run,
     "find_drifted": drift.run,
+    "tensor_parallel_pair": tensor_pair.run,
 }
 
 
