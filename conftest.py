@@ -43,6 +43,6 @@ def start_method(request, monkeypatch) -> str:
     """Run a launcher test once per start method: mgtutor.launch's default is set to each."""
     import importlib
 
-    launch_module = importlib.import_module("mgtutor.launch")
+    launch_module = importlib.import_module("mgtutor.launcher.launch")
     monkeypatch.setattr(launch_module, "DEFAULT_START_METHOD", request.param)
     return request.param

@@ -1,40 +1,35 @@
 """mgtutor: run data-parallel PyTorch workers from a notebook cell and see what they do.
 
-The workbook's helper package. Its modules, in the order the notebooks meet them:
+The workbook's helper package. Its folders, in the order the notebooks meet them:
 
-* :mod:`mgtutor.launch`: :func:`launch` starts one process per rank from a cell.
-* :mod:`mgtutor.pool`: :class:`Pool`, ranks kept alive between cells; :mod:`mgtutor.magic`,
-  the ``%%ddp`` cell magic on top of it (``%load_ext mgtutor``).
+* :mod:`mgtutor.launcher`: starting ranks from a cell and looking after them.
+  :func:`launch` runs a function once on every rank; :class:`Pool` keeps ranks alive between
+  cells; :mod:`~mgtutor.launcher.magic` is the ``%%ddp`` cell magic (``%load_ext mgtutor``).
+  Its underscored modules are the machinery: starting processes, the rank's loop, the messages
+  between notebook and ranks, relaying output, supervision and clean-up.
 * :mod:`mgtutor.worker`: :func:`setup` joins the process group inside a worker (also under
-  torchrun and SLURM).
-* :mod:`mgtutor.run`: :class:`Run`, what a launch returns.
+  torchrun and SLURM); :func:`teardown` leaves it.
 * :mod:`mgtutor.errors`: :class:`WorkerError` and :class:`WorkerTimeout`.
-* :mod:`mgtutor.progress`: :func:`progress`, per-rank progress bars.
-* :mod:`mgtutor.timing`: :func:`phase`, :func:`step`, :class:`StepTimer`.
-* :mod:`mgtutor.memory`: what the per-rank memory figures count.
-* :mod:`mgtutor.memplan`: :func:`~mgtutor.memplan.breakdown`, :func:`~mgtutor.memplan.estimate`
-  and :func:`plot_breakdown`, each rank's memory by category (parameters, gradients,
-  optimizer state, DDP buckets), measured and computed; :func:`track` puts it in the run.
-* :mod:`mgtutor.activations`: :class:`~mgtutor.activations.LiveTensors`, the bytes a forward
-  and backward create and keep alive, measured on any device (activations on CPU ranks).
-* :mod:`mgtutor.plots`: :func:`plot_memory`, :func:`plot_timeline`, :func:`plot_step_times`,
-  :func:`plot_scaling`.
-* :mod:`mgtutor.hardware`: :func:`describe_hardware`, what this machine offers.
-* :mod:`mgtutor.interactive`: :class:`Experiment`, controls and a Run button that re-run an
-  experiment and redraw its plot.
-* :mod:`mgtutor.syncbn`: :class:`SyncBatchNorm` that also runs on CPU ranks, and
-  :func:`convert_sync_batchnorm`.
-* :mod:`mgtutor.bench`: the all-reduce bandwidth benchmark (``python -m mgtutor.bench``).
-* :mod:`mgtutor.checkpoint`: :func:`save_checkpoint` that never leaves a half-written file.
-* :mod:`mgtutor.data`: an offline dataset that learns, and CIFAR-10 where available.
-* :mod:`mgtutor.models`: :func:`~mgtutor.models.small_cnn` and :func:`~mgtutor.models.mlp`, the
-  workbook's models.
-* :mod:`mgtutor.stats`: :func:`~mgtutor.stats.spread` and :func:`~mgtutor.stats.compare`,
-  repeated measurements read with their spread.
-* :mod:`mgtutor.metrics`: :func:`reduce_mean` and :func:`reduce_sums`, figures over all ranks.
+* :mod:`mgtutor.measure`: what the ranks measure and how it is shown. :mod:`~.measure.timing`
+  (:func:`phase`, :func:`step`, :class:`StepTimer`), :mod:`~.measure.memory` (what the per-rank
+  memory figures count), :mod:`~.measure.memplan` (each rank's memory by category, measured
+  and computed), :mod:`~.measure.activations` (the bytes a forward and backward keep alive),
+  :mod:`~.measure.plots`, :mod:`~.measure.progress` (per-rank progress bars),
+  :mod:`~.measure.stats` (repeated measurements read with their spread) and
+  :mod:`~.measure.run` (:class:`Run`, what a launch returns).
 * :mod:`mgtutor.doctor`: what the ranks' records of their collectives (torch's Flight
   Recorder) say went wrong in a hang; :func:`~mgtutor.doctor.find_drift`, replicas that differ.
-* :mod:`mgtutor.exercises`: exercises that check themselves on CPU ranks.
+* :mod:`mgtutor.parallel`: what the notebooks build by hand: :mod:`~.parallel.syncbn`
+  (:class:`SyncBatchNorm` that also runs on CPU ranks).
+* :mod:`mgtutor.exercises`: exercises that check themselves on CPU ranks (the public
+  ``check_*`` functions; their cases in :mod:`~.exercises.cases`, reference solutions in
+  :mod:`~.exercises.solutions`).
+* The workbook's parts: :mod:`mgtutor.data` (an offline dataset that learns, CIFAR-10 where
+  available), :mod:`mgtutor.models`, :mod:`mgtutor.metrics` (:func:`reduce_mean`,
+  :func:`reduce_sums`), :mod:`mgtutor.checkpoint` (:func:`save_checkpoint` never leaves a
+  half-written file), :mod:`mgtutor.bench` (the all-reduce bandwidth benchmark, ``python -m
+  mgtutor.bench``), :mod:`mgtutor.hardware` (:func:`describe_hardware`) and
+  :mod:`mgtutor.interactive` (:class:`Experiment`, controls that re-run an experiment).
 
 Importing mgtutor does not import torch or matplotlib: every worker imports this package
 first, and a worker's start-up time is the floor of every launch.
@@ -47,14 +42,14 @@ from mgtutor.checkpoint import load_checkpoint, save_checkpoint
 from mgtutor.errors import WorkerError, WorkerTimeout
 from mgtutor.hardware import HardwareInfo, describe_hardware
 from mgtutor.interactive import Experiment
-from mgtutor.launch import launch
-from mgtutor.memory import MemoryStats
-from mgtutor.memplan import MemoryBreakdown, plot_breakdown, track
-from mgtutor.plots import plot_memory, plot_scaling, plot_step_times, plot_timeline
-from mgtutor.pool import Pool
-from mgtutor.progress import progress
-from mgtutor.run import RankResult, Run
-from mgtutor.timing import PhaseRecord, StepTimer, phase, step, timer
+from mgtutor.launcher.launch import launch
+from mgtutor.launcher.pool import Pool
+from mgtutor.measure.memory import MemoryStats
+from mgtutor.measure.memplan import MemoryBreakdown, plot_breakdown, track
+from mgtutor.measure.plots import plot_memory, plot_scaling, plot_step_times, plot_timeline
+from mgtutor.measure.progress import progress
+from mgtutor.measure.run import RankResult, Run
+from mgtutor.measure.timing import PhaseRecord, StepTimer, phase, step, timer
 from mgtutor.worker import backend_for, get_contract, setup, teardown
 
 __all__ = [
@@ -97,19 +92,17 @@ __all__ = [
 # Submodules that import torch when loaded, reachable as ``mgtutor.data`` and so on after a
 # plain ``import mgtutor``: loaded on first use, since every worker imports this package first.
 _LAZY_MODULES = (
-    "activations",
     "bench",
     "data",
     "exercises",
     "metrics",
     "models",
-    "stats",
-    "syncbn",
+    "parallel",
 )
 # Public names that live in those submodules, and the submodule each one is loaded from.
 _LAZY_NAMES = {
-    "SyncBatchNorm": "syncbn",
-    "convert_sync_batchnorm": "syncbn",
+    "SyncBatchNorm": "parallel.syncbn",
+    "convert_sync_batchnorm": "parallel.syncbn",
     "reduce_mean": "metrics",
     "reduce_sums": "metrics",
 }
@@ -140,7 +133,7 @@ def _start_server_in_a_kernel() -> None:
     if os.environ.get("MGTUTOR_EARLY_SERVER", "1") == "0":
         return
     try:
-        from mgtutor import _processes
+        from mgtutor.launcher import _processes
 
         _processes.start_server_early()
     except Exception:  # an optimisation only: the first launch starts the server otherwise
@@ -148,8 +141,8 @@ def _start_server_in_a_kernel() -> None:
 
 
 def load_ipython_extension(ipython: object) -> None:
-    """``%load_ext mgtutor``: add the ``%%ddp`` cell magic (see :mod:`mgtutor.magic`)."""
-    from mgtutor.magic import load_ipython_extension as load
+    """``%load_ext mgtutor``: add the ``%%ddp`` cell magic (see :mod:`mgtutor.launcher.magic`)."""
+    from mgtutor.launcher.magic import load_ipython_extension as load
 
     load(ipython)
 

@@ -239,7 +239,7 @@ def plot_bandwidth(result: BandwidthResult) -> Figure:
     import matplotlib.pyplot as plt
 
     fig = plt.figure(figsize=(7, 4), layout="constrained")
-    plt.close(fig)  # shown once as the returned value in a notebook, see mgtutor.plots
+    plt.close(fig)  # shown once as the returned value in a notebook, see mgtutor.measure.plots
     ax = fig.add_subplot()
     sizes = [p.size for p in result.points]
     ax.plot(sizes, [p.algbw / 1e9 for p in result.points], "o-", label="algorithm bandwidth S/t")

@@ -2,19 +2,113 @@
 
 Every error names the rank, says what happened and what was cleaned up, and carries the
 worker's own traceback or stack so a learner can find the line that failed.
+
+In a notebook these errors open with their message: IPython shows what an exception's
+``_render_traceback_`` returns in place of its own traceback (ipyparallel uses the same hook for
+its engines' errors), and here that is the message, the line of the notebook that made the call,
+and none of mgtutor's own frames. ``__tracebackhide__`` alone cannot do this: IPython always
+shows the frame that raised, and prints the message after the frames. The full traceback is
+always in ``err.__traceback__``; IPython shows it after ``%xmode --show`` (then ``%tb`` shows
+the last error again), or when the environment variable ``MGTUTOR_FULL_TRACEBACK`` is set to 1.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
 from typing import Any
 
-__all__ = ["WorkerError", "WorkerTimeout"]
+__all__ = ["WorkerError", "WorkerTimeout", "PicklingError", "FULL_TRACEBACK_ENV"]
+
+FULL_TRACEBACK_ENV = "MGTUTOR_FULL_TRACEBACK"
+_HOW_TO_SEE_ALL = (
+    f"(mgtutor's own frames are hidden. For the full traceback: %xmode --show, then %tb; or set "
+    f"{FULL_TRACEBACK_ENV}=1.)"
+)
 
 # What mgtutor.doctor can name as the cause: ranks that did not call the same collectives.
 _DESYNCS = ("behind", "finished", "order", "operation", "shape", "dtype", "p2p")
 
 
-class WorkerError(RuntimeError):
+class _MessageFirst(Exception):
+    """An error IPython shows message first, without mgtutor's frames (see the module docstring)."""
+
+    def _render_traceback_(self) -> list[str]:
+        return _render_message_first(self)
+
+
+def _render_message_first(error: BaseException) -> list[str]:
+    """The lines IPython shows for an mgtutor error: its message, then where the notebook called.
+
+    The frames of mgtutor's own files, and those marked ``__tracebackhide__`` (IPython's own),
+    are left out, and so are the exceptions it was raised from. With ``%xmode --show`` or
+    ``MGTUTOR_FULL_TRACEBACK=1`` it is IPython's full traceback instead.
+
+    Returns:
+        The lines, for IPython's ``_render_traceback_`` hook.
+    """
+    shell = _ipython()
+    full = os.environ.get(FULL_TRACEBACK_ENV, "") not in ("", "0")
+    if shell is not None and (full or not getattr(shell.InteractiveTB, "skip_hidden", True)):
+        return shell.InteractiveTB.structured_traceback(
+            type(error), error, error.__traceback__, tb_offset=1
+        )
+    lines = [f"{type(error).__name__}: {error}"]
+    called = _calls_outside_mgtutor(error, shell)
+    if called:
+        lines += ["", "Called from:", *called]
+    return [*lines, "", _HOW_TO_SEE_ALL]
+
+
+def _ipython() -> Any:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    return get_ipython()
+
+
+def _calls_outside_mgtutor(error: BaseException, shell: Any) -> list[str]:
+    """The traceback's frames outside mgtutor's and IPython's files, oldest first."""
+    import linecache
+
+    import mgtutor
+
+    hidden = [os.path.dirname(os.path.abspath(mgtutor.__file__)) + os.sep]
+    if shell is not None:
+        import IPython
+
+        hidden.append(os.path.dirname(os.path.abspath(IPython.__file__)) + os.sep)
+    lines = []
+    tb = error.__traceback__
+    while tb is not None:
+        frame, lineno = tb.tb_frame, tb.tb_lineno
+        tb = tb.tb_next
+        filename = frame.f_code.co_filename
+        if frame.f_locals.get("__tracebackhide__") or os.path.abspath(filename).startswith(
+            tuple(hidden)
+        ):
+            continue
+        source = linecache.getline(filename, lineno).strip()
+        if source.startswith("get_ipython().run_cell_magic("):
+            continue  # a %%ddp cell: the cell is the call
+        named = shell.compile.format_code_name(filename) if shell is not None else None
+        place = f"{named[0]} {named[1]}" if named else f'File "{filename}"'
+        lines.append(f"  {place}, line {lineno}, in {frame.f_code.co_name}")
+        if source:
+            lines.append(f"    {source}")
+    return lines
+
+
+class PicklingError(_MessageFirst, pickle.PicklingError):
+    """fn or an argument cannot be sent to the ranks (nothing was started).
+
+    A :class:`pickle.PicklingError`, so ``except pickle.PicklingError`` catches it; its message
+    names the variable or argument that holds what cannot be pickled.
+    """
+
+
+class WorkerError(_MessageFirst, RuntimeError):
     """A worker of :func:`mgtutor.launch` failed: it raised, exited early or was killed.
 
     Attributes:
@@ -106,5 +200,5 @@ class WorkerTimeout(WorkerError):
             parts.append(self.cleanup)
         for rank in self.running:
             stack = self.stacks.get(rank, "").rstrip() or "  (no stack came back from this rank)"
-            parts.append(f"\nWhere rank {rank} was stuck (most recent call first):\n{stack}")
+            parts.append(f"\nWhere rank {rank} was stuck (most recent call last):\n{stack}")
         return "\n".join(parts)

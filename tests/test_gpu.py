@@ -28,7 +28,9 @@ from torch import nn
 from torch.nn.modules._functions import SyncBatchNorm as TorchSyncBatchNormFunction
 
 import mgtutor
-from mgtutor.syncbn import convert_sync_batchnorm
+from mgtutor.parallel.syncbn import convert_sync_batchnorm
+
+SYNCBN = "mgtutor.parallel.syncbn.SyncBatchNorm"  # the class's full name, as a rank reports it
 
 REPO = Path(__file__).resolve().parents[1]
 GPUS = torch.cuda.device_count()
@@ -286,9 +288,9 @@ def test_torch_syncbatchnorm_and_mgtutor_syncbatchnorm_agree_on_two_gpus() -> No
         )
         assert rank["converted after, torch's kernels"] == 1
         # Converted on the CPU, then moved: mgtutor's class, running torch's kernels on a GPU.
-        assert rank["converted before .to(device)"]["type"] == "mgtutor.syncbn.SyncBatchNorm"
+        assert rank["converted before .to(device)"]["type"] == SYNCBN
         assert rank["converted before, torch's kernels"] == 1
-        assert rank["mgtutor on the CPU"]["type"] == "mgtutor.syncbn.SyncBatchNorm"
+        assert rank["mgtutor on the CPU"]["type"] == SYNCBN
         assert rank["CPU, torch's kernels"] == 0
     for way in (
         "converted after .to(device)",

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import mgtutor
+from mgtutor.measure.stats import compare, spread
 from mgtutor.models import mlp, small_cnn
-from mgtutor.stats import compare, spread
 
 
 def test_small_cnn_shapes_and_size() -> None:

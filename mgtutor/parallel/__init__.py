@@ -1,1 +1,16 @@
-"""What the notebooks build by hand: the pieces of each kind of parallelism, plain and tested."""
+"""What the notebooks build by hand, as reusable, tested parts.
+
+* :mod:`.syncbn`: :class:`~.syncbn.SyncBatchNorm`, batch statistics over all ranks, also on CPU
+  ranks (notebook 04).
+* :mod:`.tensor_comms`: the autograd functions that carry tensor and sequence parallelism's
+  collectives (Megatron-LM's f and g, and the sequence pair), and a counter of collectives.
+* :mod:`.tensor`: layers split across ranks from a one-process layer: column- and row-parallel
+  linears, an MLP and attention split by heads, a block with or without sequence parallelism
+  (notebook 13).
+* :mod:`.context`: ring attention by hand (key-value blocks round a send/recv ring, partial
+  results merged by their log-sum-exps, differentiable), and the contiguous and zig-zag
+  splits of a sequence (notebook 14).
+
+Nothing here is imported by ``import mgtutor.parallel``: import the module you need (each
+imports torch).
+"""

@@ -1,0 +1,104 @@
+"""Notebook 03's exercise: an exact accuracy that leaves out DistributedSampler's padded repeats."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
+
+from mgtutor.exercises.cases._common import (
+    Finding,
+    _as_number,
+    _call,
+    _everyone_ok,
+    _finding,
+)
+
+__all__ = ["ACCURACY_CASES", "run"]
+
+ACCURACY_CASES = (  # label, samples, shuffle, drop_last
+    ("11 samples, shuffle=False: the sampler repeats 1", 11, False, False),
+    ("13 samples, shuffle=True: the sampler repeats 1", 13, True, False),
+    ("12 samples: no repeat", 12, True, False),
+    ("1 sample on 2 ranks: rank 1 holds only the repeat", 1, False, False),
+    ("11 samples, drop_last=True: 1 left out, none repeated", 11, True, True),
+)
+
+
+def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    (fn,) = cloudpickle.loads(payload)
+    findings = []
+    for case, n, shuffle, drop_last in ACCURACY_CASES:
+        options = {"shuffle": shuffle, "seed": 0, "drop_last": drop_last}
+        shards = [
+            list(DistributedSampler(range(n), num_replicas=world, rank=r, **options))
+            for r in range(world)
+        ]
+        padded = [shards[p % world][p // world] for p in range(world * len(shards[0]))]
+        truth = torch.tensor([i % 3 == 0 for i in range(n)])  # the figures below all differ
+        truth[padded[n:]] = True  # the repeats are right: counting them raises the accuracy
+        sampler = DistributedSampler(range(n), **options)
+        got = _call(index, case, fn, truth[list(sampler)].clone(), sampler)
+        findings.append(_diagnose_accuracy(case, got, truth, shards, padded, n, rank))
+        if not _everyone_ok(findings[-1]):
+            break
+    return findings
+
+
+def _diagnose_accuracy(
+    case: str,
+    got: Any,
+    truth: torch.Tensor,
+    shards: list[list[int]],
+    padded: list[int],
+    n: int,
+    rank: int,
+) -> Finding:
+    value = _as_number(
+        case, got, "return one number, the same on every rank (a Python float, or tensor.item())"
+    )
+    if isinstance(value, dict):
+        return value
+    world = len(shards)
+    seen = sorted(set(padded))  # every index handed out, once
+    correct = int(truth[seen].sum())
+    exact = correct / len(seen)
+    # float32 counts are exact; only the final division may round (about 1e-8). Miscounts on
+    # these few samples are off by far more.
+    if abs(value - exact) < 1e-6:
+        return _finding(case)
+    # Rank r's i-th index sits at position r + i * world of the padded order; from n on: repeats.
+    real = [[i for p, i in enumerate(shard) if r + p * world < n] for r, shard in enumerate(shards)]
+    padded_correct = int(truth[padded].sum())
+    candidates = {
+        "repeats": padded_correct / len(padded),
+        "repeats over the true count": padded_correct / len(seen),
+        "own shard": float(truth[shards[rank]].float().mean()),
+    }
+    if all(real):
+        candidates["mean of means"] = sum(float(truth[s].float().mean()) for s in real) / world
+        candidates["own real shard"] = float(truth[real[rank]].float().mean())
+    match = next((k for k, v in candidates.items() if abs(value - v) < 1e-6), None)
+    detail = f"returned {value:.6f}, expected {exact:.6f} ({correct} right of {len(seen)})"
+    hints = {
+        "repeats": "that counts the sampler's padded repeats: of rank r's indices, the i-th "
+        "sits at position r + i * num_replicas of the padded order, and the positions from "
+        "len(sampler.dataset) on are repeats; leave them out of both counts",
+        "repeats over the true count": "the correct count includes the padded repeats: "
+        "leave out the positions from len(sampler.dataset) on before summing",
+        "own shard": "that is this rank's own figure: sum the correct count and the sample "
+        "count over all ranks (one all_reduce, or mgtutor.reduce_sums) and divide the sums",
+        "own real shard": "that is this rank's own figure: sum the correct count and the "
+        "sample count over all ranks (one all_reduce, or mgtutor.reduce_sums)",
+        "mean of means": "that is the mean of the ranks' accuracies; the ranks hold different "
+        "numbers of real samples, so sum the counts over the ranks and divide once",
+    }
+    if match is not None:
+        return _finding(case, f"{detail}; that is {match!r}", hints[match])
+    return _finding(
+        case, detail, "count each index the sampler hands out once, over all ranks, and divide"
+    )

@@ -1,0 +1,195 @@
+"""Notebook 06's exercise: a stream's samples split between the ranks and their loader workers."""
+
+from __future__ import annotations
+
+import multiprocessing
+import operator
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import cloudpickle
+import torch.distributed as dist
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from mgtutor.exercises.cases._common import (
+    Finding,
+    _call,
+    _everyone_ok,
+    _finding,
+)
+
+__all__ = ["SHARD_CASES", "run"]
+
+SHARD_CASES = (  # label, samples, workers per rank, through a real DataLoader
+    ("10 samples, 2 workers per rank", 10, 2, False),
+    ("11 samples, 2 workers per rank: 3 left over", 11, 2, False),
+    ("7 samples, num_workers=0 (the loop reads: worker 0 of 1)", 7, 1, False),
+    ("3 samples, 3 workers per rank: fewer samples than readers", 3, 3, False),
+    ("13 samples through a real DataLoader, 2 workers on each rank", 13, 2, True),
+)
+Reads = list[list[list[int]]]  # reads[rank][worker]: the samples that worker returned
+
+
+class _Stream(IterableDataset):
+    """An IterableDataset that asks the learner's function which samples this worker reads."""
+
+    def __init__(self, fn: Callable[..., Any], n: int, rank: int, world: int) -> None:
+        self.fn, self.n, self.rank, self.world = fn, n, rank, world
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        info = get_worker_info()  # None when the loop itself reads (num_workers=0)
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        for sample in self.fn(self.n, self.rank, self.world, worker, workers):
+            yield worker, sample
+
+
+def _through_loader(fn: Callable[..., Any], n: int, rank: int, world: int, workers: int) -> list:
+    # Forked workers, as notebook 06's: this rank's copy of fn needs no pickling to reach them.
+    context = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    loader = DataLoader(
+        _Stream(fn, n, rank, world),
+        batch_size=None,
+        num_workers=workers,
+        multiprocessing_context=context,
+    )
+    reads: list[list[int]] = [[] for _ in range(workers)]
+    for worker, sample in loader:
+        reads[int(worker)].append(sample)
+    return reads
+
+
+def _direct(fn: Callable[..., Any], n: int, rank: int, world: int, workers: int) -> list:
+    return [fn(n, rank, world, worker, workers) for worker in range(workers)]
+
+
+def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    (fn,) = cloudpickle.loads(payload)
+    findings = []
+    for case, n, workers, loader in SHARD_CASES:
+        reader = _through_loader if loader else _direct
+        mine = _call(index, case, reader, fn, n, rank, world, workers)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, _as_samples(mine))
+        findings.append(_diagnose_shards(case, everyone, n, workers))
+        if not _everyone_ok(findings[-1]):
+            break
+    return findings
+
+
+def _as_samples(worker_reads: list) -> list[list[int]] | str:
+    """The samples each worker read, as ints; or what was wrong with what came back."""
+    out = []
+    for worker, returned in enumerate(worker_reads):
+        try:
+            out.append([operator.index(sample) for sample in returned])
+        except TypeError:
+            return f"call for worker {worker} returned {type(returned).__name__} {returned!r:.60}"
+    return out
+
+
+def _diagnose_shards(case: str, everyone: list, n: int, workers: int) -> Finding:
+    """Every rank sees every rank's reads, so every rank reaches the same finding."""
+    world = len(everyone)
+    for rank, reads in enumerate(everyone):
+        if isinstance(reads, str):
+            return _finding(
+                case,
+                f"on rank {rank}, the {reads}",
+                "return the indices this worker reads, a list of ints (a range works too)",
+            )
+    readers: dict[int, list[str]] = {}
+    for rank, reads in enumerate(everyone):
+        for worker, samples in enumerate(reads):
+            for sample in samples:
+                readers.setdefault(sample, []).append(f"rank {rank}'s worker {worker}")
+    outside = sorted(s for s in readers if not 0 <= s < n)
+    if outside:
+        return _finding(
+            case,
+            f"sample {outside[0]} was read, which does not exist (the samples are 0 to {n - 1})",
+            "read only the indices 0 to n_samples - 1; a shard that starts near the end may be "
+            "empty",
+        )
+    twice = sorted(s for s, who in readers.items() if len(who) > 1)
+    if twice:
+        return _duplicates(case, everyone, readers, twice, workers)
+    missing = [s for s in range(n) if s not in readers]
+    if missing:
+        last = missing == list(range(n - len(missing), n))
+        return _finding(
+            case,
+            f"{len(missing)} of the {n} samples were read by nobody: {missing}"
+            + (", the last ones" if last else ""),
+            (
+                "the samples left over when n_samples does not divide by world_size x "
+                "num_workers belong to some reader too: stride through them "
+                "(range(start, n_samples, step)) instead of cutting n_samples // readers each"
+                if last
+                else "together the readers must cover every index from 0 to n_samples - 1"
+            ),
+        )
+    counts = [sum(len(samples) for samples in reads) for reads in everyone]
+    if max(counts) - min(counts) > 1:
+        worker_major = [
+            [list(range(r * workers + w, n, world * workers)) for w in range(workers)]
+            for r in range(world)
+        ]
+        by_rank = ", ".join(f"rank {r} read {c}" for r, c in enumerate(counts))
+        return _finding(
+            case,
+            f"every sample was read once, but {by_rank}: under DDP a rank with more samples "
+            f"runs more steps and waits in an all-reduce that the others never call",
+            (
+                "that numbers the readers rank * num_workers + worker_id, so the samples left "
+                "over all go to the first ranks' workers: take every world_size-th sample for "
+                "the rank first (from rank on), then split the rank's share between its workers"
+                if everyone == worker_major
+                else "split between the ranks first (their counts may differ by one at most), "
+                "then split each rank's share between its workers"
+            ),
+        )
+    return _finding(case)
+
+
+def _duplicates(
+    case: str, everyone: list, readers: dict[int, list[str]], twice: list[int], workers: int
+) -> Finding:
+    sample = twice[0]
+    who = readers[sample]
+    detail = f"sample {sample} was read by {', '.join(who[:-1])} and {who[-1]}" + (
+        f" ({len(twice)} samples read more than once)" if len(twice) > 1 else ""
+    )
+    every_worker_alike = workers > 1 and all(
+        all(samples == reads[0] for samples in reads) for reads in everyone
+    )
+    every_rank_alike = all(reads == everyone[0] for reads in everyone)
+    if every_worker_alike and every_rank_alike:
+        return _finding(
+            case,
+            f"{detail}: every worker of every rank read the same samples",
+            "nothing is split: DataLoader runs a copy of an IterableDataset in each worker of "
+            "each rank, and each copy must pick its own part, from rank, world_size, worker_id "
+            "and num_workers",
+        )
+    if every_worker_alike:
+        return _finding(
+            case,
+            f"{detail}: the workers of a rank all read that rank's whole shard",
+            "that shards by rank only: DataLoader runs a copy of an IterableDataset in every "
+            "worker, so each worker must also take its own part of the rank's shard (every "
+            "num_workers-th sample of it, from worker_id on)",
+        )
+    if every_rank_alike:
+        return _finding(
+            case,
+            f"{detail}: worker w of every rank read the same samples",
+            "that shards by worker only: the ranks run the same code, so a split between the "
+            "workers alone repeats on every rank; split by rank first, then by worker",
+        )
+    return _finding(
+        case,
+        detail,
+        "each sample must belong to exactly one (rank, worker) pair: there are world_size x "
+        "num_workers readers in all",
+    )

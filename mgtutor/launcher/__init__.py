@@ -1,0 +1,17 @@
+"""The launcher: starting ranks from a notebook cell, running functions on them, cleaning up.
+
+Public: :func:`~mgtutor.launcher.launch.launch` (run a function once on every rank),
+:class:`~mgtutor.launcher.pool.Pool` (ranks kept alive between cells) and
+:mod:`~mgtutor.launcher.magic` (the ``%%ddp`` cell magic); all three are also reachable from
+``mgtutor``. The underscored modules are the machinery, in the order a call goes through them:
+
+* :mod:`._processes`: starting rank processes (forkserver, fork or spawn) and the forkserver.
+* :mod:`._send`: a function and its arguments made sendable (by value, with the notebook's names).
+* :mod:`._namespace`: which names a rank sees, its own or the notebook's.
+* :mod:`._messages`: the typed messages between the notebook and its ranks.
+* :mod:`._channel`: the ranks' side channel for progress and records.
+* :mod:`._rank`: a rank's loop: receive a call, run it, reply.
+* :mod:`._relay`: each rank's output, relayed to the cell line by line.
+* :mod:`._supervise`: waiting for the ranks, spotting a failure or a hang, reporting it.
+* :mod:`._cleanup`: stopping every process of a launch, whatever happened.
+"""

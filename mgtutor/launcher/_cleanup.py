@@ -1,0 +1,215 @@
+"""Stopping rank processes and everything they started, and saying what was stopped.
+
+Each rank leads a process group of its own (it calls ``os.setpgrp()`` first thing), so a
+signal to the group reaches the DataLoader workers and other children it started; a child that
+made its own session is found as a descendant while its rank lives.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from multiprocessing.connection import wait
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mgtutor.launcher._supervise import RankHandle
+
+_TERM_GRACE_S = 1.0
+
+
+def signal_rank(h: RankHandle, sig: int) -> None:
+    """Send ``sig`` to a rank's process group (or the rank alone, before it made its group)."""
+    pid = h.process.pid
+    if pid is None:
+        return
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        if h.process.is_alive():  # killed before it could make its group
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+    except PermissionError:
+        pass
+
+
+def descendants(handles: list[RankHandle]) -> list[Any]:
+    """The live descendants of every rank (psutil processes)."""
+    import psutil
+
+    found = []
+    for h in handles:
+        try:
+            found += psutil.Process(h.process.pid).children(recursive=True)
+        except (psutil.Error, ValueError, TypeError):
+            pass
+    return found
+
+
+def stop_all(
+    handles: list[RankHandle], primary: RankHandle | None = None, owner: str = "this launch"
+) -> str:
+    """Stop every rank still running and everything it started; say what was stopped.
+
+    SIGTERM first, SIGKILL to whatever is left a second later.
+
+    Args:
+        handles: the ranks.
+        primary: the rank the error is about; the sentence leaves it out.
+        owner: what the ranks belong to, for the sentence ("this launch", "this pool").
+
+    Returns:
+        A sentence for the error message ("Cleanup: stopped rank 1 (ended by SIGTERM). ...").
+    """
+    import psutil
+
+    alive = [h for h in handles if h.process.pid is not None and h.process.is_alive()]
+    children = descendants(handles)
+    for h in alive:
+        signal_rank(h, signal.SIGTERM)
+    until = time.monotonic() + _TERM_GRACE_S
+    while time.monotonic() < until and any(h.process.is_alive() for h in alive):
+        wait([h.process.sentinel for h in alive if h.process.is_alive()], 0.05)
+    notes = []
+    for h in alive:
+        if h is primary:
+            continue
+        if h.done is not None:
+            notes.append(f"rank {h.rank} had finished")  # and waited to be told to exit
+        else:
+            how = "SIGTERM" if not h.process.is_alive() else "SIGKILL"
+            notes.append(f"stopped rank {h.rank} (ended by {how})")
+    for h in handles:
+        signal_rank(h, signal.SIGKILL)
+    for p in children:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    for h in handles:
+        h.process.join(5)
+        if h.exitcode is None and not h.process.is_alive():
+            h.exitcode = h.process.exitcode
+    psutil.wait_procs(children, timeout=2)
+    left = [h.rank for h in handles if h.process.is_alive()]
+    left_children = [p.pid for p in children if _still_running(p)]
+    for h in handles:
+        if h is primary or h in alive:
+            continue
+        if h.error is not None:
+            notes.append(
+                f"rank {h.rank} had already failed ({h.error.exc_type}: "
+                f"{_first_line(h.error.message)})"
+            )
+        elif h.done is not None:
+            notes.append(f"rank {h.rank} had finished")
+    stopped = "Cleanup: " + "; ".join(notes) + "." if notes else ""
+    if left or left_children:
+        return f"{stopped} Still running despite SIGKILL: ranks {left}, pids {left_children}."
+    return f"{stopped} No process of {owner} is left running.".lstrip()
+
+
+def stop_leftovers(handles: list[RankHandle]) -> None:
+    """After the ranks exited: end processes they started and left behind, and say so.
+
+    A rank's children stay in its process group after the rank exits (they are re-parented,
+    so only the group still finds them); a child that made its own session was reported by the
+    rank at the end of each call. Each is killed, and the message names only those that really
+    were running and what became of them.
+    """
+    import psutil
+
+    pids: set[int] = set()
+    for h in handles:
+        if h.process.pid is not None:
+            pids.update(p for p in group_members(h.process.pid) if p != h.process.pid)
+    pids.update(p.pid for p in descendants(handles))
+    reported: dict[int, float] = {}
+    for h in handles:
+        reported.update(h.children)
+    pids.update(reported)
+    procs = []
+    for pid in sorted(pids):
+        try:
+            proc = psutil.Process(pid)
+            if pid in reported and abs(proc.create_time() - reported[pid]) > 0.01:
+                continue  # that pid was reused by an unrelated process
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            proc.kill()
+            procs.append(proc)
+        except psutil.Error:
+            pass
+    if not procs:
+        return
+    _, alive = psutil.wait_procs(procs, timeout=2)
+    stopped = [p.pid for p in procs if p not in alive]
+    message = "mgtutor: the ranks returned but left processes running"
+    if stopped:
+        message += f"; stopped them (SIGKILL): pids {', '.join(map(str, stopped))}"
+    if alive:
+        message += f"; still running despite SIGKILL: pids {', '.join(str(p.pid) for p in alive)}"
+    print(message + ".", file=sys.stderr, flush=True)
+
+
+def still_busy(h: RankHandle, now: float, idle_s: float) -> bool:
+    """Whether an exiting rank's process ran or wanted to run within the last ``idle_s``.
+
+    A process that is still shutting down (slowly, on a machine with more runnable processes
+    than cores) keeps using CPU or waits for a core; one held open by a thread blocked on a join
+    or a sleep does neither.
+    """
+    import psutil
+
+    try:
+        process = psutil.Process(h.process.pid)
+        times = process.cpu_times()
+        status = process.status()
+    except psutil.NoSuchProcess:
+        return True  # it has ended; its exit code is on the way
+    except psutil.Error:
+        return False
+    if status == psutil.STATUS_ZOMBIE:
+        # Ended, not yet reaped: a forkserver rank's exit code comes through the server,
+        # which can take seconds on a loaded machine.
+        return True
+    runnable = status == psutil.STATUS_RUNNING
+    used = times.user + times.system
+    if h.exit_cpu is None or used > h.exit_cpu[0] or runnable:
+        h.exit_cpu = (used, now)
+        return True
+    return now - h.exit_cpu[1] < idle_s
+
+
+def group_members(pgid: int | None) -> list[int]:
+    """Pids of the live processes in process group ``pgid`` (each rank leads its own group)."""
+    if pgid is None:
+        return []
+    import psutil
+
+    members = []
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) == pgid and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                members.append(pid)
+        except (OSError, psutil.Error):
+            continue
+    return members
+
+
+def _still_running(process: Any) -> bool:
+    import psutil
+
+    try:
+        return bool(process.is_running() and process.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+def _first_line(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line if len(line) <= 120 else line[:117] + "..."

@@ -1,0 +1,427 @@
+"""A rank process's own side: start up, run the calls the notebook sends, answer, exit.
+
+The notebook's :class:`mgtutor.Pool` (and :func:`mgtutor.launch`, a pool that runs one call)
+starts each rank with :func:`rank_main`. The rank wires its output to the notebook, installs a
+stack dump on SIGUSR1, joins the process group if the pool asked for one, then waits for
+:class:`~mgtutor.launcher._messages.Call` messages and runs each, until
+:class:`~mgtutor.launcher._messages.Exit` or the notebook's end. Nothing here is public: the
+rank API a training function uses is in :mod:`mgtutor.worker`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import linecache
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from mgtutor.launcher import _channel, _namespace
+from mgtutor.launcher._messages import (
+    Call,
+    Context,
+    Done,
+    Exit,
+    Failed,
+    Hello,
+    Ready,
+    Started,
+    end_marker,
+)
+from mgtutor.worker import current_backend, current_device, guard_destroy, setup, teardown
+
+
+@dataclass
+class RankSpec:
+    """What the notebook hands one rank process (pickled by multiprocessing at its start)."""
+
+    rank: int
+    env: dict[str, str | None]  # the rank's own variables; None removes one
+    context: Context  # the notebook's, when the rank started
+    conn: Connection
+    stdout: Connection
+    stderr: Connection
+    diag: Connection
+    start_method: str
+    join_group: bool  # a pool joins the process group once, before any call
+    backend: str | None
+    one_call: bool  # launch: the rank exits after a failed call instead of waiting for more
+    # The process that forked this rank, whose death must end it (see die_with_parent); None
+    # where the forking thread may end before the notebook does.
+    parent_pid: int | None = None
+
+
+_keep_alive: list[Any] = []
+_in_call = threading.Event()
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_parent(parent: int | None, signum: int = signal.SIGKILL) -> bool:
+    """Have the kernel send ``signum`` when ``parent`` dies (Linux); False where it cannot.
+
+    Unlike a thread that watches a pipe, this needs nothing of the process itself: it holds
+    even for code stuck in native code with the GIL held. The kernel signals when the thread
+    that forked this process ends, which is why ``parent`` is None where that thread might end
+    before its process. If the parent died before the request was made, this process already
+    has another parent that will never signal it: it ends at once.
+    """
+    if parent is None or not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signum), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent:
+        os._exit(1)
+    return True
+
+
+def _redirect_output(stdout: Connection, stderr: Connection) -> None:
+    # At the descriptor level, so C++ warnings, NCCL logs and subprocesses are relayed too.
+    os.dup2(stdout.fileno(), 1)
+    os.dup2(stderr.fileno(), 2)
+    stdout.close()
+    stderr.close()
+    sys.stdout = sys.__stdout__ = open(  # noqa: SIM115 - lives as long as the process
+        1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
+    )
+    sys.stderr = sys.__stderr__ = open(  # noqa: SIM115
+        2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
+    )
+
+
+def _listen(conn: Connection, commands: queue.Queue[Any]) -> None:
+    """Pass the notebook's messages to the main thread; end the rank if the notebook is gone.
+
+    End of file on the pipe means the notebook's process died (a kernel restart, kill -9):
+    take this rank and its own children down rather than leave orphans holding memory or ports.
+    This thread cannot run while the main thread holds the GIL in native code: on Linux the
+    kernel ends the rank then (:func:`die_with_parent`); on macOS nothing does.
+    """
+    try:
+        while True:
+            commands.put(conn.recv())
+    except (EOFError, OSError):
+        pass
+    os.killpg(0, signal.SIGKILL)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    # The notebook sends SIGINT to interrupt a call (Ctrl+C in a pool); between calls it is
+    # ignored, so an interrupt that arrives late cannot end the rank.
+    if _in_call.is_set():
+        raise KeyboardInterrupt
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _mark_end(call: int) -> None:
+    """Write the call's end marker after everything fn printed (see ``end_marker``)."""
+    _flush()
+    marker = end_marker(call) + b"\n"
+    for fd in (1, 2):
+        try:
+            os.write(fd, marker)
+        except OSError:
+            pass
+
+
+def _failure(exc: BaseException, context: str, call: int) -> Failed:
+    tb = exc.__traceback__.tb_next if exc.__traceback__ else None
+    # The frames below fn (%%ddp's runner of a cell) are mgtutor's, not the learner's.
+    while tb is not None and tb.tb_next is not None and _is_mgtutor(tb.tb_frame):
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        import cloudpickle
+
+        original: bytes | None = cloudpickle.dumps(exc)
+    except Exception:
+        original = None
+    exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+    return Failed(
+        call, exc_type, str(exc), text, original, context, time.perf_counter(), _own_record()
+    )
+
+
+def _is_mgtutor(frame: Any) -> bool:
+    import mgtutor
+
+    package = os.path.dirname(os.path.abspath(mgtutor.__file__)) + os.sep
+    return os.path.abspath(frame.f_code.co_filename).startswith(package)
+
+
+def _own_record() -> dict[str, Any] | None:
+    """This rank's record of its collectives, for the doctor, if it made a process group."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is None or not dist.is_initialized():
+            return None
+        from mgtutor import doctor
+
+        return doctor.own_dump(stack_traces=False)
+    except Exception:
+        return None
+
+
+def _children() -> list[tuple[int, float]]:
+    """This rank's live descendants (pid, start time), so the parent can end what fn left.
+
+    Taken while the rank still lives: once it exits, a child that made its own session can no
+    longer be found from the parent. On Linux the kernel lists each thread's children in
+    ``/proc``, which costs a fraction of a millisecond; psutil's way reads every process on the
+    machine (15 ms on a busy one), too slow for every call of a pool.
+    """
+    try:
+        import psutil
+
+        pids = _proc_children(os.getpid())
+        if pids is None:
+            return [(p.pid, p.create_time()) for p in psutil.Process().children(recursive=True)]
+        found = []
+        for pid in pids:
+            try:
+                found.append((pid, psutil.Process(pid).create_time()))
+            except psutil.Error:
+                pass
+        return found
+    except Exception:
+        return []
+
+
+def _proc_children(root: int) -> list[int] | None:
+    """Descendants of ``root`` from ``/proc/PID/task/TID/children``; None where it is missing."""
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        return None
+    found: list[int] = []
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    kids = [int(k) for k in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            found += kids
+            todo += kids
+    return found
+
+
+def _dumps_on_cpu(result: Any) -> bytes:
+    """Pickle fn's result with every tensor moved to the CPU.
+
+    A CUDA tensor pickled as it is would be rebuilt on ``cuda:r`` in the notebook, which
+    initializes CUDA in the kernel (or fails on a machine without that GPU).
+    """
+    import io
+
+    import cloudpickle
+
+    torch = sys.modules.get("torch")
+
+    class _CpuPickler(cloudpickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+                return obj.detach().cpu().__reduce_ex__(self.proto)
+            return super().reducer_override(obj)
+
+    buffer = io.BytesIO()
+    _CpuPickler(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(result)
+    return buffer.getvalue()
+
+
+def _apply_context(context: Context, own: dict[str, str | None]) -> None:
+    """Give this rank the notebook's environment, folder and import path, then its own."""
+    os.environ.clear()
+    os.environ.update(context.environ)
+    for name, value in own.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        os.chdir(context.cwd)
+    except OSError:
+        pass  # the notebook's folder was removed; stay where the rank is
+    sys.path[:] = context.sys_path
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and hasattr(dist, "set_debug_level_from_env"):
+        # torch reads TORCH_DISTRIBUTED_DEBUG once, when torch.distributed is imported (in the
+        # forkserver, maybe before the notebook set it): read the notebook's value now.
+        try:
+            dist.set_debug_level_from_env()
+        except (RuntimeError, ValueError):
+            pass  # an invalid value: torch's own error comes when the group is made
+    torch = sys.modules.get("torch")
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        # torch read OMP_NUM_THREADS when the forkserver imported it, maybe before the
+        # notebook set it: apply the notebook's value now.
+        torch.set_num_threads(int(threads))
+
+
+def _tracked_breakdown() -> Any:
+    """fn's tracked model and optimizer by category (mgtutor.track); None if none was tracked."""
+    from mgtutor.measure import memplan
+
+    try:
+        return memplan.tracked_breakdown()
+    except Exception as exc:  # the run's result matters more than its memory plot
+        print(f"mgtutor: could not break down the tracked memory: {exc!r}", file=sys.stderr)
+        return None
+
+
+def _run_call(call: Call, spec: RankSpec) -> Done | Failed:
+    """Run one call: unpack fn, run it, measure it, pickle what it returned."""
+    if call.context is not None:
+        _apply_context(call.context, spec.env)
+    for filename, lines in call.sources.items():
+        # Cells have no file on disk; with their text here, tracebacks show the failing line.
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    _namespace.begin_call()
+    try:
+        import cloudpickle
+
+        fn, args, kwargs = cloudpickle.loads(call.payload)
+        if call.in_namespace:
+            fn = _namespace.in_rank_namespace(fn)
+    except BaseException as exc:
+        return _failure(exc, "could not unpack the function and its arguments", call.call)
+    answer = _measured_call(fn, args, kwargs, call, spec)
+    kept = _namespace.kept_names()
+    if kept and isinstance(answer, Failed):
+        # The notebook says it for a call that finished (Done's record); here, where it failed.
+        print(f"mgtutor: {_namespace.kept_note(kept)}", file=sys.stderr)
+    return answer
+
+
+def _measured_call(fn: Any, args: tuple, kwargs: dict, call: Call, spec: RankSpec) -> Done | Failed:
+    """Run fn once, measuring time and memory; Done with its pickled result, or Failed."""
+    from mgtutor.measure import memory, timing
+
+    rss_start = memory.current_rss()
+    peak_was_reset = memory.reset_peak_rss()
+    memory.reset_cuda_peaks()
+    timing.collect_records(clear=True)  # a pool's earlier calls are not this call's
+    started = time.perf_counter()
+    _channel.send(Started(call.call))
+    _in_call.set()
+    try:
+        result = fn(*args, **kwargs)
+    except SystemExit as exc:
+        if exc.code not in (None, 0):
+            return _failure(exc, "called sys.exit with a failure code", call.call)
+        result = None
+    except KeyboardInterrupt as exc:
+        return _failure(exc, "was interrupted", call.call)
+    except BaseException as exc:
+        return _failure(exc, "raised", call.call)
+    finally:
+        _in_call.clear()
+    finished = time.perf_counter()
+    try:
+        record = {
+            "pid": os.getpid(),
+            "device": current_device(),
+            "backend": current_backend(),
+            "started": started,
+            "finished": finished,
+            "memory": memory.measure(current_device(), rss_start, peak_was_reset),
+            "breakdown": _tracked_breakdown(),
+            "timings": timing.collect_records(clear=True),
+            "children": _children(),
+            "kept": _namespace.kept_names(),
+        }
+        if spec.one_call:
+            # A launch's rank answers and exits, as its peers do: its record of collectives goes
+            # with the answer (for the doctor, should a peer hang), then it leaves the group.
+            record["flight_record"] = _own_record()
+            teardown()
+        blob = _dumps_on_cpu(result)
+    except BaseException as exc:
+        return _failure(exc, "finished, but its result could not be sent back", call.call)
+    return Done(call.call, blob, record)
+
+
+def _start_doctor() -> None:
+    """Answer the notebook's requests for this rank's record of collectives (mgtutor.doctor)."""
+    from mgtutor import doctor
+
+    path = os.environ.get(doctor.DUMP_PATH_ENV)
+    if not path:
+        return
+    try:
+        doctor.start_dump_responder(path)
+    except OSError:
+        pass  # no named pipes here: a hang is then explained by the stacks alone
+
+
+def rank_main(spec: RankSpec) -> None:
+    """The rank process: start up, join the group if asked, run calls until told to exit."""
+    die_with_parent(spec.parent_pid)  # first: a rank must never outlive its notebook
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the forkserver's (see _processes)
+    os.setpgrp()  # one process group per rank, so cleanup reaches the rank's own children
+    signal.signal(signal.SIGINT, _interrupt)
+    _redirect_output(spec.stdout, spec.stderr)
+    faulthandler.register(signal.SIGUSR1, file=spec.diag.fileno(), all_threads=True)
+    _keep_alive.append(spec.diag)
+    _channel.attach(spec.conn)
+    commands: queue.Queue[Any] = queue.Queue()
+    threading.Thread(target=_listen, args=(spec.conn, commands), daemon=True).start()
+    _channel.send(Hello(os.getpid(), threading.main_thread().ident or 0))
+    _apply_context(spec.context, spec.env)
+    guard_destroy()
+    _start_doctor()
+    if spec.join_group:
+        try:
+            setup(spec.backend)
+        except BaseException as exc:
+            _channel.send(_failure(exc, "could not join the process group", 0))
+            _flush()
+            os._exit(1)
+    _channel.send(Ready())
+    while True:
+        message = commands.get()
+        if isinstance(message, Exit):
+            break
+        answer = _run_call(message, spec)
+        _mark_end(message.call)
+        _channel.send(answer)
+        if isinstance(answer, Failed) and spec.one_call:
+            _flush()
+            os._exit(1)
+        if spec.one_call:
+            break  # a launch runs one call: exit now, with the peers, instead of waiting
+    teardown()
+    _flush()
+    if spec.start_method == "forkserver":
+        # A forkserver child ends with os._exit, which skips atexit handlers; a spawned one
+        # runs them. Run them here so fn's atexit code behaves the same with both.
+        try:
+            atexit._run_exitfuncs()
+        finally:
+            _flush()

@@ -1,0 +1,420 @@
+"""Ranks that stay alive between cells: build a DDP model in one cell, step it in the next.
+
+A :class:`Pool` starts ``world_size`` rank processes once, has them join the process group
+once, and keeps them. Each :meth:`Pool.run` sends a function to every rank (or some) and returns
+the same :class:`mgtutor.Run` as :func:`mgtutor.launch`: results, relayed output, timing and
+memory. What a call leaves in a rank's global namespace is there for the next call::
+
+    pool = mgtutor.Pool(world_size=2)
+
+    def build():
+        global model, opt
+        model = DDP(torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    pool.run(build)
+    pool.run(lambda: model.module.weight.sum().item()).results   # the same on both ranks
+    pool.close()
+
+:func:`mgtutor.launch` is a pool that runs one call and closes, so the two relay output,
+report faults and clean up in the same way. In a notebook, ``%load_ext mgtutor`` adds the
+``%%ddp`` cell magic on top of a pool (:mod:`mgtutor.launcher.magic`).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import shutil
+import sys
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mgtutor.doctor import DUMP_PATH_ENV
+from mgtutor.errors import WorkerError
+from mgtutor.launcher import _namespace, _processes, _send
+from mgtutor.launcher._messages import Call, Exit
+from mgtutor.launcher._supervise import RankHandle, Supervisor, Wording
+from mgtutor.measure.progress import ProgressBoard
+from mgtutor.measure.run import RankResult, Run
+from mgtutor.measure.timing import PhaseRecord
+
+__all__ = ["Pool"]
+
+_POOL_NOTE = (
+    "The pool's ranks were stopped; its next call starts new ones (what they held is lost)."
+)
+
+
+# Pools not closed yet. At interpreter exit they are closed before multiprocessing's own exit
+# handler (registered earlier, so it runs later) joins every non-daemon child process: without
+# this, a script or kernel that ends without pool.close() would wait forever for ranks that
+# wait for their next call.
+_open_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_pools() -> None:
+    for pool in list(_open_pools):
+        try:
+            pool.close()
+        except BaseException:
+            pass
+
+
+class Pool:
+    """``world_size`` ranks started once and kept, each with its own namespace.
+
+    The namespace rule: a rank's own names (what its calls assign with ``global``, what
+    ``push`` sets, what ``%%ddp`` cells assign) are never replaced; any other name fn reads
+    comes from the notebook, as it is at the call. So ``lr = 0.1`` in the notebook reaches a
+    function that reads ``lr``, and ``lr = 0.2`` reaches the next call; a ``model`` that an
+    earlier call made on the ranks stays theirs even if the notebook defines a ``model`` of its
+    own (the notebook says, on stderr, when a value it has was not used for that reason); and
+    ``push`` always takes effect. To replace a rank's own name, push it or assign it in a call.
+
+    Args:
+        world_size: number of ranks.
+        backend: "gloo" or "nccl"; None picks NCCL with one GPU per rank, else gloo.
+        start_timeout: seconds the ranks may take to start and join the process group, and
+            each call to unpickle fn; None means no limit.
+        start_method: "forkserver" (the default) or "spawn", as for :func:`mgtutor.launch`.
+        join_group: join the default process group once at the start (the default); False
+            leaves it to the functions run, as :func:`mgtutor.launch` does.
+
+    Raises:
+        ValueError, TypeError: bad arguments (nothing started).
+        WorkerError, WorkerTimeout: a rank could not start or join the group (nothing left
+            running).
+
+    Example:
+        >>> with mgtutor.Pool(world_size=2) as pool:
+        ...     pool.push(x=3)
+        ...     pool.run(lambda: x * (dist.get_rank() + 1)).results
+        [3, 6]
+    """
+
+    def __init__(
+        self,
+        world_size: int = 2,
+        backend: str | None = None,
+        *,
+        start_timeout: float | None = 300.0,
+        start_method: str | None = None,
+        join_group: bool = True,
+        _one_call: bool = False,
+        _wording: Wording | None = None,
+    ) -> None:
+        if _processes.in_worker_bootstrap():
+            raise RuntimeError(
+                "mgtutor started ranks while a rank process was starting up. Put the code that "
+                'launches under `if __name__ == "__main__":` in your script.'
+            )
+        _processes.check_arguments(world_size, backend, None, start_timeout, start_method)
+        self.world_size = world_size
+        self.backend = backend
+        self.start_timeout = start_timeout
+        self.start_method = start_method or _processes.DEFAULT_START_METHOD
+        self.join_group = join_group
+        self._one_call = _one_call
+        self._wording = _wording or (
+            Wording() if _one_call else Wording(owner="this pool", note=_POOL_NOTE)
+        )
+        self._calls = 0
+        self._supervisor: Supervisor | None = None
+        self._store: Any = None
+        self.closed = False
+        self.started_at = 0.0
+        # Where each relayed line also goes during a call (``sink(rank, stream, text)``):
+        # %%ddp's per-rank tabs.
+        self._sink: Callable[[int, str, str], None] | None = None
+        # How the notes printed by a call tell the learner to push a value or start new ranks
+        # (%%ddp says it in its own words).
+        self._push_advice = "pool.push({pairs})"
+        self._restart_advice = "pool.restart()"
+        self._start()
+        _open_pools.add(self)
+
+    # --- starting and stopping --------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._store = _processes.host_store(self.world_size)
+        common = _processes.worker_environment(self.world_size, self.backend, self._store.port)
+        ctx = _processes.context_for(self.start_method)
+        supervisor = Supervisor(self._wording)
+        self._supervisor = supervisor
+        # Where each rank's doctor answers with its record of collectives (mgtutor.doctor).
+        self._dump_dir = tempfile.mkdtemp(prefix="mgtutor-fr-")
+        supervisor.dump_paths = {
+            r: os.path.join(self._dump_dir, f"rank{r}.pkl") for r in range(self.world_size)
+        }
+        self.started_at = time.perf_counter()
+        context = _send.context_now()
+        # What the ranks already have: a call sends only what changed (cheaper round trips).
+        self._context_sent = context
+        self._group_environ = self._group_environ_said = _send.group_variables(context.environ)
+        self._sources_sent: set[str] = set()
+        try:
+            with _processes.main_not_reimported():
+                for rank in range(self.world_size):
+                    handle = _processes.start_rank(
+                        ctx,
+                        rank,
+                        {**common, DUMP_PATH_ENV: supervisor.dump_paths[rank]},
+                        context,
+                        join_group=self.join_group,
+                        one_call=self._one_call,
+                        backend=self.backend,
+                    )
+                    supervisor.add(handle)
+            if not self._one_call:
+                supervisor.wait_ready(self.start_timeout)
+        except BaseException:
+            self._shutdown()
+            raise
+
+    def _shutdown(self) -> None:
+        if self._supervisor is not None:
+            try:
+                self._supervisor.close(Exit())
+            finally:
+                self._supervisor = None
+                self._store = None
+                shutil.rmtree(self._dump_dir, ignore_errors=True)
+
+    def close(self) -> None:
+        """End every rank (each leaves the process group first) and free the store's port.
+
+        A rank that does not exit when asked is stopped after a few seconds, and the notebook
+        says so. Calling close twice is harmless.
+        """
+        self.closed = True
+        self._shutdown()
+
+    def restart(self) -> None:
+        """Stop every rank and start new ones (what the ranks held is lost)."""
+        self._shutdown()
+        self.closed = False
+        self._start()
+
+    def __enter__(self) -> Pool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else ("running" if self.alive else "stopped")
+        return (
+            f"Pool(world_size={self.world_size}, backend={self.backend!r}, "
+            f"start_method={self.start_method!r}, {state}, calls={self._calls})"
+        )
+
+    @property
+    def alive(self) -> bool:
+        """True while every rank runs (False after a fault stopped them, or after close)."""
+        return self._supervisor is not None and self._supervisor.alive()
+
+    # --- calls ------------------------------------------------------------------------------
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float | None = None,
+        ranks: Sequence[int] | None = None,
+        **kwargs: Any,
+    ) -> Run:
+        """Run ``fn(*args, **kwargs)`` on every rank (or on ``ranks``) and wait for all.
+
+        fn may be defined in a cell, a closure or a lambda. It runs with the rank's own global
+        namespace: names it assigns with ``global`` stay for the next call and are never
+        replaced by the notebook's; a name the rank does not have is the notebook's, as it is
+        now (see the class's namespace rule). Variables that act only when a process group is
+        made (``TORCH_DISTRIBUTED_DEBUG``, ``TORCH_FR_BUFFER_SIZE``, ``NCCL_*``, ``GLOO_*``)
+        changed after the pool started are reported at the next call: ``restart`` applies them.
+
+        Args:
+            fn: the work of one rank.
+            *args: positional arguments for fn (each rank gets its own copy).
+            timeout: seconds fn may run once every rank started it; None is no limit. Past
+                it, :class:`mgtutor.WorkerTimeout` shows each rank's stack and the pool's ranks
+                are stopped (the next call starts new ones).
+            ranks: run on these ranks only. A collective needs every rank of the group: if
+                only some ranks enter one, they wait until ``timeout`` (then the pool restarts).
+            **kwargs: keyword arguments for fn (``timeout`` and ``ranks`` are taken by run).
+
+        Returns:
+            A :class:`mgtutor.Run` with one result per rank it ran on, in rank order.
+
+        Raises:
+            WorkerError: a rank raised (the pool is kept when the other ranks finished the
+                call, and stopped when they did not), or died (the pool is stopped).
+            WorkerTimeout: ``timeout`` passed; the pool's ranks were stopped.
+            KeyboardInterrupt: the cell was interrupted; fn is interrupted on every rank and
+                the pool kept, or the ranks stopped when they could not be interrupted.
+        """
+        if not callable(fn):
+            raise TypeError(f"Pool.run needs a function to run on every rank, got {fn!r}")
+        _processes.check_arguments(self.world_size, self.backend, timeout, self.start_timeout)
+        targets = self._targets(ranks)
+        return self._call(_send.pickle_payload(fn, args, kwargs), targets, timeout)
+
+    def _call(self, payload: bytes, targets: list[int], timeout: float | None) -> Run:
+        """Send one pickled call to ``targets``, wait for their answers, build the Run."""
+        if self.closed:
+            raise RuntimeError("this pool is closed; make a new one, or call pool.restart()")
+        if not self._one_call and not self.alive:
+            self._restart_after_fault()
+        supervisor = self._supervisor
+        assert supervisor is not None
+        handles = [supervisor.handles[r] for r in targets]
+        self._calls += 1
+        sources = {
+            name: lines
+            for name, lines in _send.cell_sources().items()
+            if name not in self._sources_sent
+        }
+        self._sources_sent.update(sources)
+        context = _send.context_now()
+        changed = context != self._context_sent
+        self._context_sent = context
+        if changed:
+            self._say_group_variables_changed(context.environ)
+        call = Call(
+            self._calls,
+            payload,
+            sources,
+            context if changed else None,
+            in_namespace=not self._one_call,
+        )
+        started = self.started_at if self._one_call else time.perf_counter()
+        for h in handles:
+            h.begin(call.call)
+            h.output.sink = self._sink
+            if not supervisor.send(h, call):
+                h.failed_at = time.perf_counter()  # its pipe closed: the process has gone
+        board = ProgressBoard(self.world_size)
+        supervisor.run_call(
+            call.call, handles, board, timeout, self.start_timeout, keep=not self._one_call
+        )
+        self._say_kept_names(handles)
+        return _build_run(handles, self.world_size, started, time.perf_counter())
+
+    def _say_group_variables_changed(self, environ: dict[str, str]) -> None:
+        """Say once, at the call after the change, that a group variable does nothing yet."""
+        now = _send.group_variables(environ)
+        if not self.join_group or self._one_call or now == self._group_environ_said:
+            return
+        self._group_environ_said = now
+        if now == self._group_environ:
+            return
+        print(
+            f"mgtutor: changed since this pool's ranks made their process group: "
+            f"{_send.changes(self._group_environ, now)}. These act only when a process group is "
+            f"made, so the running ranks do not use the new values; "
+            f"{self._restart_advice} starts new ranks that do (what the ranks hold is lost).",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def _say_kept_names(self, handles: list[RankHandle]) -> None:
+        """Name the notebook values a call did not use because ranks have their own."""
+        by_name: dict[str, list[int]] = {}
+        for h in handles:
+            for name in h.done.record.get("kept", ()) if h.done is not None else ():
+                by_name.setdefault(name, []).append(h.rank)
+        for ranks in sorted({tuple(r) for r in by_name.values()}):
+            names = [n for n, r in by_name.items() if tuple(r) == ranks]
+            note = _namespace.kept_note(names, f"rank(s) {', '.join(map(str, ranks))}")
+            advice = self._push_advice.format(
+                pairs=", ".join(f"{n}={n}" for n in names), names=" ".join(names)
+            )
+            print(f"mgtutor: {note}. To send the notebook's: {advice}.", file=sys.stderr)
+
+    def _targets(self, ranks: Sequence[int] | None) -> list[int]:
+        if ranks is None:
+            return list(range(self.world_size))
+        chosen = sorted({ranks} if isinstance(ranks, int) else set(ranks))
+        wrong = [r for r in chosen if not isinstance(r, int) or not 0 <= r < self.world_size]
+        if wrong or not chosen:
+            raise ValueError(
+                f"ranks must name ranks of this pool (0..{self.world_size - 1}), got {ranks!r}"
+            )
+        return chosen
+
+    def _restart_after_fault(self) -> None:
+        print(
+            "mgtutor: the pool's ranks had been stopped (see the last error); starting new "
+            "ones. What the old ranks held (models, optimizers, names) is gone.",
+            file=sys.stderr,
+            flush=True,
+        )
+        self._shutdown()
+        self._start()
+
+    def push(self, ranks: Sequence[int] | None = None, **values: Any) -> None:
+        """Set names in each rank's namespace: ``pool.push(lr=0.1)``.
+
+        Pushed names are the rank's own: later calls read them even where the notebook has a
+        name of its own with another value (and say so).
+
+        Args:
+            ranks: only these ranks (default: all).
+            **values: name=value pairs; each rank gets its own copy.
+        """
+        if not values:
+            raise ValueError("push needs name=value pairs, e.g. pool.push(lr=0.1)")
+        self.run(_namespace.set_names, values, ranks=ranks)
+
+    def pull(self, name: str, ranks: Sequence[int] | None = None) -> list[Any]:
+        """Each rank's value of ``name`` (from its namespace), in rank order.
+
+        Raises:
+            WorkerError: a rank has no such name (the pool is kept).
+        """
+        return self.run(_namespace.get_name, name, ranks=ranks).results
+
+
+def _build_run(handles: list[RankHandle], world_size: int, started: float, finished: float) -> Run:
+    import cloudpickle
+
+    ranks = []
+    for h in handles:
+        assert h.done is not None
+        record = h.done.record
+        try:
+            result = cloudpickle.loads(h.done.result)
+        except Exception as exc:
+            raise WorkerError(
+                f"rank {h.rank} finished, but the notebook could not unpickle its result: {exc}. "
+                f"Return plain values (numbers, lists, dicts, tensors) from fn.",
+                rank=h.rank,
+            ) from exc
+        timings = [
+            PhaseRecord(p.name, p.step, p.start - started, p.end - started, p.samples, p.nbytes)
+            for p in record["timings"]
+        ]
+        ranks.append(
+            RankResult(
+                rank=h.rank,
+                pid=record["pid"],
+                device=record["device"],
+                backend=record["backend"],
+                wall_time_s=record["finished"] - record["started"],
+                memory=record["memory"],
+                result=result,
+                timings=timings,
+                breakdown=record.get("breakdown"),
+            )
+        )
+    return Run(world_size=world_size, ranks=ranks, wall_time_s=finished - started)
+
+
+def with_wall_time(run: Run, wall_time_s: float) -> Run:
+    """The same run with another wall time (a launch counts its start and exit too)."""
+    return dataclasses.replace(run, wall_time_s=wall_time_s)

@@ -1,0 +1,14 @@
+"""Measurements: what the ranks measure about themselves, and how it is shown.
+
+* :mod:`.timing`: :func:`~.timing.phase`, :func:`~.timing.step`, :class:`~.timing.StepTimer`.
+* :mod:`.memory`: what the per-rank memory figures count.
+* :mod:`.memplan`: each rank's memory by category (parameters, gradients, optimizer state,
+  DDP buckets), measured and computed.
+* :mod:`.activations`: the bytes a forward and backward create and keep alive.
+* :mod:`.stats`: repeated measurements read with their spread.
+* :mod:`.progress`: per-rank progress bars.
+* :mod:`.run`: :class:`~.run.Run`, what a launch or a pool call returns.
+* :mod:`.plots`: memory, timelines, step times and scaling, per rank.
+
+Nothing here is imported by ``import mgtutor.measure``: import the module you need.
+"""

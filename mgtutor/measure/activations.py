@@ -1,0 +1,125 @@
+"""Bytes of the tensors a forward and backward create and keep alive, measured on any device.
+
+A CPU rank has no allocator statistics (``torch.cuda.max_memory_allocated`` is for CUDA only)
+and its resident memory is dominated by the interpreter and torch's libraries. To see
+activations there anyway, :class:`LiveTensors` watches every tensor that torch's operators
+create while it is active (it is a ``TorchDispatchMode``: autograd's backward and a checkpoint's
+recomputation go through it too). It keeps a weak reference to each new storage, so at any
+moment it knows how many bytes of what was created are still alive, and it records the peak
+after each operator. Python's cyclic garbage collector is paused inside the block, so that
+the count does not depend on when the collector happens to run; :meth:`LiveTensors.live_bytes`
+collects before it counts.
+
+What it counts: storages created by operators inside the ``with`` block (the outputs of
+``addmm``, ``relu``, ``empty`` and so on, gradients included), each once, at the size they
+have when counted (a storage resized later counts its new size); not views, not outputs that
+reuse an input's storage (in-place operators), not tensors made before the block (the
+parameters, the batch). What it cannot see: memory that an operator allocates and frees
+inside itself (a kernel's workspace), and the allocator's cache. Its own cost is one Python call
+per operator, so it suits small demonstrations, not production profiling.
+
+torch is imported when this module is, so ``import mgtutor`` loads it lazily
+(``mgtutor.measure.activations``).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["LiveTensors"]
+
+
+class LiveTensors(TorchDispatchMode):
+    """Track the bytes of the tensors created inside the block that are still alive.
+
+    Attributes:
+        peak: the largest :meth:`live_bytes` seen after an operator since the block began or
+            since the last :meth:`reset_peak`.
+        op_counts: how many times each operator ran inside the block (``"aten.addmm.default"``
+            and so on), recomputations included.
+
+    Example:
+        >>> with LiveTensors() as live:
+        ...     loss = model(x).pow(2).mean()
+        ...     kept = live.live_bytes()  # activations kept for backward
+        ...     live.reset_peak()
+        ...     loss.backward()
+        >>> live.peak  # the most that was alive at once during backward
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._storages: dict[int, StorageWeakRef] = {}
+        self.peak = 0
+        self.op_counts: Counter[str] = Counter()
+
+    def __enter__(self) -> LiveTensors:
+        # Reference cycles are freed whenever the collector happens to run, which would make
+        # the count depend on timing: pause it, and collect only where live_bytes is asked.
+        self._collector_was_enabled = gc.isenabled()
+        gc.disable()
+        return super().__enter__()
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            super().__exit__(*exc_info)
+        finally:
+            if self._collector_was_enabled:
+                gc.enable()
+
+    def live_bytes(self) -> int:
+        """Bytes of the storages created inside the block that are alive now.
+
+        Garbage in reference cycles is collected first, so it does not count.
+        """
+        gc.collect()
+        return self._alive()
+
+    def _alive(self) -> int:
+        for key in [k for k, ref in self._storages.items() if ref.expired()]:
+            del self._storages[key]
+        # Read each size now: FSDP2 frees and refills its unsharded parameters by resizing their
+        # storages (to 0 bytes and back), which no operator reports.
+        return sum(torch.UntypedStorage._new_with_weak_ptr(key).nbytes() for key in self._storages)
+
+    def reset_peak(self) -> int:
+        """Start a new peak from what is alive now; returns that."""
+        self.peak = self.live_bytes()
+        return self.peak
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.op_counts[str(func)] += 1
+        inputs = {_data_ptr(t) for t in tree_leaves((args, kwargs))}
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            pointer = _data_ptr(tensor)
+            # A view or an in-place result shares an input's storage; an empty storage
+            # (address 0) may still be resized later, as FSDP2 does, so it is kept.
+            if pointer is None or (pointer and pointer in inputs):
+                continue
+            storage = tensor.untyped_storage()
+            ref = StorageWeakRef(storage)
+            self._storages.setdefault(ref.cdata, ref)
+        self.peak = max(self.peak, self._alive())
+        return out
+
+
+def _data_ptr(tensor: Any) -> int | None:
+    """The address of a tensor's storage; None for a non-tensor or a tensor without one."""
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except RuntimeError:  # a tensor with no storage of its own (a wrapper subclass)
+        return None

@@ -1,0 +1,259 @@
+"""Plots of a launch: per-rank memory, a timeline of phases, step times, and scaling.
+
+Each function returns the matplotlib Figure, so a notebook shows it by leaving it as the cell's
+last expression (or with ``plt.show()``), and a script can ``fig.savefig(...)``. matplotlib is
+imported inside the functions, so workers never pay for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from mgtutor.measure.memory import format_bytes
+from mgtutor.measure.run import Run
+from mgtutor.measure.timing import STEP
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
+__all__ = ["plot_memory", "plot_timeline", "plot_step_times", "plot_scaling"]
+
+_MIB = 1024 * 1024
+_PHASE_COLOURS = {
+    "data": "#8da0cb",
+    "forward": "#66c2a5",
+    "backward": "#fc8d62",
+    "allreduce": "#e78ac3",
+    "optimizer": "#a6d854",
+}
+
+
+def _new_figure(width: float, height: float) -> Figure:
+    import matplotlib.pyplot as plt
+
+    # Made through pyplot so that, in a notebook, the inline backend loads and IPython learns to
+    # show a returned Figure as an image; closed at once so pyplot does not show it a second
+    # time when the cell ends. The figure stays usable: display it, or fig.savefig(...).
+    fig = plt.figure(figsize=(width, height), layout="constrained")
+    plt.close(fig)
+    return fig
+
+
+def plot_memory(run: Run) -> Figure:
+    """Bars of each rank's peak memory, labelled with what was measured.
+
+    GPU ranks: peak allocated (live tensors) beside peak reserved (the caching allocator's
+    pool). CPU ranks: the worker process's resident memory when fn started beside its peak.
+    See :mod:`mgtutor.measure.memory` for exactly what each figure counts. When fn called
+    :func:`mgtutor.track` on every rank, a second panel stacks each rank's bytes by category
+    (parameters, gradients, optimizer state, DDP's buckets, and activations on a GPU).
+
+    Args:
+        run: what :func:`mgtutor.launch` or :meth:`mgtutor.Pool.run` returned.
+
+    Returns:
+        The figure.
+    """
+    tracked = [r.breakdown for r in run.ranks]
+    panels = 2 if tracked and all(b is not None for b in tracked) else 1
+    fig = _new_figure(max(4.2, 1.6 + 1.1 * len(run.ranks)) * panels, 4.2)
+    ax = fig.add_subplot(1, panels, 1)
+    ranks = [r.rank for r in run.ranks]
+    cuda = all(r.memory.is_cuda for r in run.ranks)
+    if cuda:
+        pairs = [(r.memory.peak_allocated or 0, r.memory.peak_reserved or 0) for r in run.ranks]
+        labels = ("peak allocated (tensors)", "peak reserved (caching allocator)")
+        title = "Peak GPU memory per rank (torch.cuda, this process only)"
+    else:
+        pairs = [(r.memory.rss_at_start, r.memory.peak_rss) for r in run.ranks]
+        whole_life = any(r.memory.peak_rss_since_start for r in run.ranks)
+        labels = (
+            "resident when fn started",
+            "peak resident (whole process life)" if whole_life else "peak resident while fn ran",
+        )
+        title = "Worker process memory per rank (RSS)"
+    width = 0.38
+    for i, label in enumerate(labels):
+        xs = [x + (i - 0.5) * width for x in range(len(ranks))]
+        values = [pair[i] / _MIB for pair in pairs]
+        bars = ax.bar(xs, values, width, label=label)
+        ax.bar_label(bars, labels=[format_bytes(pair[i]) for pair in pairs], fontsize=7)
+    ax.set_xticks(range(len(ranks)), [f"rank {r.rank}\n{r.device}" for r in run.ranks])
+    ax.set_ylabel("MiB")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
+    ax.margins(y=0.15)
+    if panels == 2:
+        from mgtutor.measure.memplan import plot_breakdown
+
+        plot_breakdown(
+            {r.rank: b for r, b in zip(run.ranks, tracked)},
+            ax=fig.add_subplot(1, 2, 2),
+            title="What the tracked model and optimizer hold, by category",
+        )
+    return fig
+
+
+# Steps plot_timeline shows when not told: more are a smear of thin bars at this width.
+TIMELINE_STEPS = 6
+
+
+def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
+    """One row per rank, each timed phase a coloured bar on the launch's time axis.
+
+    Phases come from :func:`mgtutor.phase` (and "allreduce" from
+    :meth:`mgtutor.StepTimer.watch_allreduce`); all-reduce bars are drawn as a thin band in the
+    lower part of the row, because under DDP they overlap the backward pass; the moments
+    :meth:`mgtutor.StepTimer.watch_gradients` records are thin ticks. Shorter phases are drawn
+    over longer ones, so a phase timed inside another stays visible.
+
+    Args:
+        run: what :func:`mgtutor.launch` returned.
+        steps: only these steps (for example ``slice(0, 5)``; ``slice(None)`` for all). By
+            default the last ``TIMELINE_STEPS`` (6), the steady state; the title says which
+            steps of how many are shown.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: when no rank recorded any phase.
+    """
+    records = {r.rank: [p for p in r.timings if p.name != STEP] for r in run.ranks}
+    total = 1 + max((p.step for ps in records.values() for p in ps), default=0)
+    chosen = steps is not None
+    if steps is None:
+        steps = slice(max(0, total - TIMELINE_STEPS), total)
+    wanted = range(*steps.indices(total))
+    records = {k: [p for p in ps if p.step in wanted] for k, ps in records.items()}
+    if not any(records.values()):
+        raise ValueError(
+            "no phases were recorded: inside fn wrap work in `with mgtutor.phase('forward'):`"
+        )
+    fig = _new_figure(9, 0.9 + 0.6 * run.world_size)
+    ax = fig.add_subplot()
+    names: list[str] = []
+    for phases in records.values():
+        for p in phases:
+            if p.name not in names:
+                names.append(p.name)
+    # Long phases first, so a phase timed inside another (an all-reduce inside backward, a
+    # SyncBatchNorm exchange inside forward) is drawn on top of it rather than hidden.
+    legend_order = list(names)
+    mean = {
+        n: sum(p.duration for ps in records.values() for p in ps if p.name == n)
+        / max(1, sum(1 for ps in records.values() for p in ps if p.name == n))
+        for n in names
+    }
+    names.sort(key=lambda n: (n == "gradient", n == "allreduce", -mean[n]))
+    cycle = ["#b3b3b3", "#ffd92f", "#e5c494", "#1b9e77", "#7570b3"]
+    colours = {n: _PHASE_COLOURS.get(n, cycle[i % len(cycle)]) for i, n in enumerate(names)}
+    origin = min(p.start for phases in records.values() for p in phases)
+    for rank, phases in records.items():
+        for name in names:
+            spans = [((p.start - origin) * 1e3, p.duration * 1e3) for p in phases if p.name == name]
+            if not spans:
+                continue
+            label = name if rank == 0 else None
+            if name == "gradient":  # instants (StepTimer.watch_gradients): a tick each
+                ticks = [start for start, _ in spans]
+                ax.vlines(ticks, rank - 0.4, rank + 0.4, colors="#333333", lw=0.6, label=label)
+                continue
+            y, h = (rank - 0.4, 0.8) if name != "allreduce" else (rank + 0.1, 0.3)
+            ax.broken_barh(spans, (y, h), facecolors=colours[name], label=label)
+    ax.set_yticks(list(records), [f"rank {r}" for r in records])
+    ax.invert_yaxis()
+    ax.set_xlabel("time since the first timed phase shown (ms)")
+    if len(wanted) == total:
+        shown = f"all {total} steps" if total > 1 else "the run"
+    else:
+        first, last = wanted[0], wanted[-1]
+        shown = f"step{'s' if len(wanted) > 1 else ''} {first}" + (
+            f"-{last}" if len(wanted) > 1 else ""
+        )
+        shown += f" of {total}" + ("" if chosen else "; steps= shows others")
+    ax.set_title(f"What each rank was doing: {shown}", fontsize=10)
+    handles, labels = ax.get_legend_handles_labels()
+    found = dict(zip(labels, handles))
+    unique = {n: found[n] for n in legend_order if n in found}
+    ax.legend(
+        unique.values(),
+        unique.keys(),
+        fontsize=8,
+        ncols=len(unique),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.35 if run.world_size < 3 else -0.2),
+        frameon=False,
+    )
+    return fig
+
+
+def plot_step_times(run: Run) -> Figure:
+    """Step time per rank, step by step (from ``mgtutor.step()`` records).
+
+    Raises:
+        ValueError: when no rank recorded steps.
+    """
+    fig = _new_figure(7, 3.4)
+    ax = fig.add_subplot()
+    plotted = False
+    for r in run.ranks:
+        times = run.step_times(r.rank)
+        if times:
+            ax.plot(range(len(times)), [t * 1e3 for t in times], marker=".", label=f"rank {r.rank}")
+            plotted = True
+    if not plotted:
+        raise ValueError(
+            "no steps were recorded: inside fn wrap each step in `with mgtutor.step():`"
+        )
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Step time per rank", fontsize=10)
+    ax.legend(fontsize=8)
+    return fig
+
+
+def plot_scaling(runs: Sequence[Run]) -> Figure:
+    """Throughput against world size, with the ideal line and each run's efficiency in %.
+
+    The ideal is the smallest world size's throughput per rank times the world size; the
+    efficiency is measured throughput over that ideal.
+
+    Args:
+        runs: launches of the same work at different world sizes, each with
+            ``mgtutor.step(samples=...)`` records.
+
+    Returns:
+        The figure.
+
+    Raises:
+        ValueError: fewer than one run, or runs without samples in their step records.
+    """
+    if not runs:
+        raise ValueError("plot_scaling needs at least one Run")
+    points = sorted((run.world_size, run.throughput()) for run in runs)
+    base_size, base_rate = points[0]
+    per_rank = base_rate / base_size
+    fig = _new_figure(6, 4)
+    ax = fig.add_subplot()
+    sizes = [s for s, _ in points]
+    ax.plot(sizes, [per_rank * s for s in sizes], "--", color="grey", label="ideal (linear)")
+    ax.plot(sizes, [t for _, t in points], "o-", label="measured")
+    for size, rate in points:
+        ax.annotate(
+            f"{100 * rate / (per_rank * size):.0f}%",
+            (size, rate),
+            textcoords="offset points",
+            xytext=(6, -12),
+            fontsize=8,
+        )
+    ax.set_xticks(sizes)
+    ax.margins(x=0.12)
+    ax.set_xlabel("world size (ranks)")
+    ax.set_ylabel("samples / s (all ranks)")
+    ax.set_ylim(bottom=0)
+    ax.set_title("Scaling: throughput and efficiency", fontsize=10)
+    ax.legend(fontsize=8)
+    return fig

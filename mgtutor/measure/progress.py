@@ -1,0 +1,135 @@
+"""Per-rank progress bars: a worker reports, the notebook shows one bar per rank.
+
+Inside a worker call ``mgtutor.progress(step, total)``. In JupyterLab the launching cell shows an
+ipywidgets bar per rank that advances while the ranks run; elsewhere (a terminal, a script, a
+notebook without ipywidgets) the parent prints a plain line at every tenth of the way.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from mgtutor.launcher import _channel
+from mgtutor.launcher._messages import Progress
+
+__all__ = ["progress"]
+
+_MIN_INTERVAL_S = 0.1
+_last_sent: dict[str, float] = {}
+
+
+def progress(step: int, total: int, desc: str = "") -> None:
+    """Report that this rank has done ``step`` of ``total`` units of work.
+
+    Cheap enough to call every step: updates are sent at most ten times a second, and the
+    first and last always go through.
+
+    Args:
+        step: units done so far (1..total).
+        total: units in all.
+        desc: a short label shown beside the bar ("epoch 2").
+
+    Example:
+        >>> for i in range(100):
+        ...     train_step()
+        ...     mgtutor.progress(i + 1, 100, desc="training")
+    """
+    if total <= 0:
+        raise ValueError(f"progress total must be positive, got {total}")
+    now = time.monotonic()
+    last = _last_sent.get(desc)
+    if step < total and last is not None and now - last < _MIN_INTERVAL_S:
+        return
+    _last_sent[desc] = now
+    if _channel.send(Progress(int(step), int(total), desc)):
+        return
+    _print_text(None, step, total, desc, None)
+
+
+def _print_text(rank: int | None, step: int, total: int, desc: str, last: int | None) -> int:
+    """Print a text line when the tenth of the way changes; return the tenth printed."""
+    tenth = min(10, int(10 * step / total))
+    if tenth == last:
+        return tenth
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    label = f"{desc}: " if desc else ""
+    print(f"{prefix}{label}{step}/{total} ({100 * step / total:.0f}%)", file=sys.stdout)
+    return tenth
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+class ProgressBoard:
+    """The parent's view of every rank's progress: widgets in a notebook, text elsewhere."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._bars: list[Any] | None = None
+        self._labels: list[Any] = []
+        self._text_tenths: dict[tuple[int, str], int] = {}
+        self._use_widgets = _in_notebook()
+        if self._use_widgets:
+            try:
+                import ipywidgets  # noqa: F401
+            except ImportError:
+                self._use_widgets = False
+
+    def _make_widgets(self) -> None:
+        import ipywidgets as widgets
+        from IPython.display import display
+
+        self._bars = []
+        rows = []
+        for rank in range(self.world_size):
+            bar = widgets.IntProgress(
+                value=0,
+                min=0,
+                max=1,
+                description=f"rank {rank}",
+                layout=widgets.Layout(width="55%"),
+            )
+            label = widgets.Label(value="")
+            self._bars.append(bar)
+            self._labels.append(label)
+            rows.append(widgets.HBox([bar, label]))
+        display(widgets.VBox(rows))
+
+    def update(self, rank: int, step: int, total: int, desc: str) -> None:
+        """Show that ``rank`` has done ``step`` of ``total``."""
+        if not self._use_widgets:
+            key = (rank, desc)
+            self._text_tenths[key] = _print_text(
+                rank, step, total, desc, self._text_tenths.get(key)
+            )
+            return
+        if self._bars is None:
+            self._make_widgets()
+        assert self._bars is not None
+        bar = self._bars[rank]
+        bar.max = total
+        bar.value = min(step, total)
+        label = f"{desc} " if desc else ""
+        self._labels[rank].value = f"{label}{step}/{total} ({100 * step / total:.0f}%)"
+
+    def finish(self, failed_rank: int | None) -> None:
+        """Colour the bars: green when the launch succeeded, red on the rank that failed."""
+        if self._bars is None:
+            return
+        for rank, bar in enumerate(self._bars):
+            if failed_rank is None:
+                bar.bar_style = "success"
+            elif rank == failed_rank:
+                bar.bar_style = "danger"
+                self._labels[rank].value += " - failed"
+            else:
+                bar.bar_style = "warning"
+                self._labels[rank].value += " - stopped"

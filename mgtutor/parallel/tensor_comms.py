@@ -1,0 +1,209 @@
+"""The collectives of tensor and sequence parallelism, as autograd functions, and their counter.
+
+A layer split across ranks must communicate where its forward needs what other ranks hold,
+and autograd must communicate the conjugate collective in backward. Megatron-LM (Shoeybi et al.,
+"Megatron-LM", arXiv:1909.08053, section 3) names the pair of plain tensor parallelism f and g;
+sequence parallelism (Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models", arXiv:2205.05198, section 4.2.2) replaces them with an all-gather and a
+reduce-scatter along the sequence:
+
+=====================================  ==============================  ==========================
+function                               forward                         backward
+=====================================  ==============================  ==========================
+:func:`copy_to_parallel` (f)           identity                        all-reduce
+:func:`reduce_from_parallel` (g)       all-reduce                      identity
+:func:`gather_from_sequence`           all-gather along the sequence   reduce-scatter along it
+:func:`reduce_scatter_to_sequence`     reduce-scatter along it         all-gather along it
+=====================================  ==============================  ==========================
+
+Each collective runs on the default process group and, inside :func:`count_collectives`, is
+written down with its phase and the bytes of its whole buffer (an all-reduce's tensor, an
+all-gather's output, a reduce-scatter's input), the convention of notebook 12. The all-gather
+and reduce-scatter are ``dist.all_gather_single`` and ``dist.reduce_scatter_single`` (torch
+2.14 deprecates the older names, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which
+are used where the new ones do not exist, as in 2.4); gloo runs both on CPU (measured with 2.4.1
+and 2.14.1). They work along dim 0, so another dim is moved to the front.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+__all__ = [
+    "Collective",
+    "by_kind",
+    "copy_to_parallel",
+    "count_collectives",
+    "gather_from_sequence",
+    "reduce_from_parallel",
+    "reduce_scatter_to_sequence",
+]
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective a rank ran: its name, in which pass, and the bytes of its whole buffer."""
+
+    name: str  # "all_reduce", "all_gather" or "reduce_scatter"
+    phase: str  # "forward" or "backward"
+    nbytes: int
+
+
+_logs: list[list[Collective]] = []
+
+
+@contextlib.contextmanager
+def count_collectives() -> Iterator[list[Collective]]:
+    """Write down every collective the functions of this module run inside the block.
+
+    Example:
+        >>> with count_collectives() as calls:
+        ...     model(x).sum().backward()
+        >>> [(c.name, c.phase) for c in calls]  # [("all_reduce", "forward"), ...]
+    """
+    log: list[Collective] = []
+    _logs.append(log)
+    try:
+        yield log
+    finally:
+        _logs.remove(log)
+
+
+def by_kind(counts: Mapping[Any, int] | list[Collective]) -> dict[str, int]:
+    """Collectives counted by kind, "all_reduce", "all_gather" or "reduce_scatter".
+
+    Accepts what :func:`count_collectives` wrote down, or torch's
+    ``CommDebugMode().get_comm_counts()``, whose keys are operators (``c10d.allreduce_`` for
+    ``dist.all_reduce``, ``c10d_functional.all_reduce`` for DTensor's), so the two can be
+    compared.
+    """
+    if isinstance(counts, list):
+        return dict(Counter(c.name for c in counts))
+    out: Counter[str] = Counter()
+    for op, n in counts.items():
+        name = str(op).replace("allreduce", "all_reduce").replace("allgather", "all_gather")
+        kind = next((k for k in ("all_reduce", "all_gather", "reduce_scatter") if k in name), name)
+        out[kind] += n
+    return dict(out)
+
+
+def _record(name: str, phase: str, nbytes: int) -> None:
+    for log in _logs:
+        log.append(Collective(name, phase, nbytes))
+
+
+def _all_reduce(tensor: torch.Tensor, phase: str) -> torch.Tensor:
+    # A copy: autograd may hand the same gradient tensor to both branches of a residual.
+    out = tensor.contiguous().clone()
+    _record("all_reduce", phase, out.nbytes)
+    dist.all_reduce(out)
+    return out
+
+
+def _all_gather(tensor: torch.Tensor, dim: int, phase: str) -> torch.Tensor:
+    front = tensor.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] * dist.get_world_size(), *front.shape[1:]))
+    _record("all_gather", phase, out.nbytes)
+    _ALL_GATHER(out, front)
+    return out.movedim(0, dim).contiguous()  # one copy, which the next layer may keep
+
+
+def _reduce_scatter(tensor: torch.Tensor, dim: int, phase: str) -> torch.Tensor:
+    world = dist.get_world_size()
+    if tensor.shape[dim] % world:
+        raise ValueError(
+            f"rank {dist.get_rank()}: cannot reduce-scatter dim {dim} of size "
+            f"{tensor.shape[dim]} over {world} ranks; make the sequence a multiple of {world}"
+        )
+    front = tensor.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
+    _record("reduce_scatter", phase, front.nbytes)
+    _REDUCE_SCATTER(out, front)
+    return out.movedim(0, dim).contiguous()  # one copy, which the next layer may keep
+
+
+class _CopyToParallel(torch.autograd.Function):
+    """Copy in forward, all-reduce in backward: the f of Megatron-LM."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(grad, "backward")
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    """All-reduce in forward, copy in backward: the g of Megatron-LM."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(x, "forward")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _GatherFromSequence(torch.autograd.Function):
+    """All-gather along the sequence in forward, reduce-scatter along it in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.dim = dim
+        return _all_gather(x, dim, "forward")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter(grad, ctx.dim, "backward"), None
+
+
+class _ReduceScatterToSequence(torch.autograd.Function):
+    """Reduce-scatter along the sequence in forward, all-gather along it in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.dim = dim
+        return _reduce_scatter(x, dim, "forward")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather(grad, ctx.dim, "backward"), None
+
+
+def copy_to_parallel(x: torch.Tensor) -> torch.Tensor:
+    """Enter a tensor-parallel region: ``x`` unchanged forward; its gradient all-reduced backward.
+
+    Every rank's part of the layer uses the whole ``x``, so ``x``'s gradient is the sum of each
+    rank's contribution (Megatron-LM's f).
+    """
+    return _CopyToParallel.apply(x)
+
+
+def reduce_from_parallel(x: torch.Tensor) -> torch.Tensor:
+    """Leave a tensor-parallel region: partial sums all-reduced forward; gradient copied backward.
+
+    Megatron-LM's g: each rank's row-parallel product is a partial sum of the output.
+    """
+    return _ReduceFromParallel.apply(x)
+
+
+def gather_from_sequence(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Sequence shards to the whole sequence: all-gather forward, reduce-scatter backward."""
+    return _GatherFromSequence.apply(x, dim)
+
+
+def reduce_scatter_to_sequence(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Partial sums to summed sequence shards: reduce-scatter forward, all-gather backward."""
+    return _ReduceScatterToSequence.apply(x, dim)

@@ -1,0 +1,945 @@
+"""The exercise checkers pass the reference solutions and catch plausible wrong answers.
+
+Each checker's wrong answers run in one launch with its reference (``exercises._check`` takes
+several candidates), so the whole file costs a handful of launches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mgtutor import exercises
+from mgtutor.exercises import CheckResult
+from mgtutor.exercises import checking as _checking
+from mgtutor.exercises import solutions as solutions
+
+# The checkers serve the notebooks, which run on the newest torch only: not run on the floor.
+# (The snapshot checker's hangs once seen there were torch's destroy-time GIL deadlock, which
+# mgtutor.worker.keep_destroyed_groups now avoids.)
+pytestmark = pytest.mark.skipif(
+    torch.__version__ < (2, 6),
+    reason=f"the exercises run with the notebooks' torch (>= 2.6), not {torch.__version__}",
+)
+
+# --- wrong answers, as a learner could write them -----------------------------------------
+
+
+def ring_sum(tensor):
+    """The ring of notebook 02, on tensor_split pieces: the sum, never divided."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks = list(tensor.view(-1).tensor_split(world))
+    for step in range(world - 1):
+        out, into = (rank - step) % world, (rank - step - 1) % world
+        incoming = torch.empty_like(chunks[into])
+        request = dist.isend(chunks[out], dst=(rank + 1) % world)
+        dist.recv(incoming, src=(rank - 1) % world)
+        request.wait()
+        chunks[into] += incoming
+    for step in range(world - 1):
+        out, into = (rank - step + 1) % world, (rank - step) % world
+        request = dist.isend(chunks[out], dst=(rank + 1) % world)
+        dist.recv(chunks[into], src=(rank - 1) % world)
+        request.wait()
+
+
+def ring_off_by_one_piece(tensor):
+    """The all-gather starts from the piece the reduce-scatter began with, not the finished one."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks = list(tensor.view(-1).tensor_split(world))
+    for step in range(world - 1):
+        out, into = (rank - step) % world, (rank - step - 1) % world
+        incoming = torch.empty_like(chunks[into])
+        request = dist.isend(chunks[out], dst=(rank + 1) % world)
+        dist.recv(incoming, src=(rank - 1) % world)
+        request.wait()
+        chunks[into] += incoming
+    for piece in chunks:
+        piece /= world
+    for step in range(world - 1):
+        out, into = (rank - step) % world, (rank - step - 1) % world
+        request = dist.isend(chunks[out], dst=(rank + 1) % world)
+        dist.recv(chunks[into], src=(rank - 1) % world)
+        request.wait()
+
+
+def ring_by_all_reduce(tensor):
+    dist.all_reduce(tensor)
+    tensor /= dist.get_world_size()
+
+
+def ring_returns_a_copy(tensor):
+    result = tensor.clone()
+    solutions.ring_average(result)
+    return result
+
+
+def accuracy_with_repeats(correct, sampler):
+    counts = torch.tensor([float(correct.sum())])
+    dist.all_reduce(counts)
+    return counts.item() / sampler.total_size
+
+
+def accuracy_of_this_rank(correct, sampler):
+    positions = sampler.rank + sampler.num_replicas * torch.arange(len(correct))
+    real = correct[positions < len(sampler.dataset)]
+    return real.float().mean().item()
+
+
+def accuracy_mean_of_means(correct, sampler):
+    positions = sampler.rank + sampler.num_replicas * torch.arange(len(correct))
+    real = correct[positions < len(sampler.dataset)]
+    mean = torch.tensor([real.float().mean().item()])
+    dist.all_reduce(mean)
+    return mean.item() / dist.get_world_size()
+
+
+def accuracy_raises_on_rank_1(correct, sampler):
+    if dist.get_rank() == 1:
+        raise ValueError("no samples here")
+    return solutions.exact_accuracy(correct, sampler)
+
+
+def accuracy_waits_for_a_message_never_sent(correct, sampler):
+    if dist.get_rank() == 0:
+        dist.recv(torch.zeros(1), src=1)
+    return 0.5
+
+
+def _accumulate(
+    model, optimizer, micro_batches, k, *, no_sync_around, divide, step_last=True, zero_grad=True
+):
+    for start in range(0, len(micro_batches), k):
+        window = micro_batches[start : start + k]
+        if len(window) < k and not step_last:
+            break
+        for i, (x, y) in enumerate(window):
+            pause = contextlib.nullcontext if i == len(window) - 1 else model.no_sync
+            forward = pause() if no_sync_around == "both" else contextlib.nullcontext()
+            with forward:
+                loss = F.mse_loss(model(x), y) / divide(len(window), k)
+            backward = (
+                pause() if no_sync_around in ("both", "backward") else contextlib.nullcontext()
+            )
+            with backward:
+                loss.backward()
+        optimizer.step()
+        if zero_grad:
+            optimizer.zero_grad()
+
+
+def accumulate_without_no_sync(model, optimizer, micro_batches, k):
+    _accumulate(model, optimizer, micro_batches, k, no_sync_around=None, divide=lambda n, k: n)
+
+
+def accumulate_no_sync_around_backward(model, optimizer, micro_batches, k):
+    _accumulate(
+        model, optimizer, micro_batches, k, no_sync_around="backward", divide=lambda n, k: n
+    )
+
+
+def accumulate_undivided(model, optimizer, micro_batches, k):
+    _accumulate(model, optimizer, micro_batches, k, no_sync_around="both", divide=lambda n, k: 1)
+
+
+def accumulate_divided_by_k(model, optimizer, micro_batches, k):
+    _accumulate(model, optimizer, micro_batches, k, no_sync_around="both", divide=lambda n, k: k)
+
+
+def accumulate_no_last_step(model, optimizer, micro_batches, k):
+    _accumulate(
+        model,
+        optimizer,
+        micro_batches,
+        k,
+        no_sync_around="both",
+        divide=lambda n, k: n,
+        step_last=False,
+    )
+
+
+def accumulate_no_zero_grad(model, optimizer, micro_batches, k):
+    _accumulate(
+        model,
+        optimizer,
+        micro_batches,
+        k,
+        no_sync_around="both",
+        divide=lambda n, k: n,
+        zero_grad=False,
+    )
+
+
+def _save(path, job, rng):
+    import mgtutor
+
+    state = {
+        "model": job.model.module.state_dict(),
+        "optimizer": job.optimizer.state_dict(),
+        "scheduler": job.scheduler.state_dict(),
+        "epoch": job.epoch,
+    }
+    if rng:
+        state["rng"] = torch.get_rng_state()
+    if dist.get_rank() == 0:
+        mgtutor.save_checkpoint(state, path)
+    dist.barrier()
+
+
+def _load(path, job, *, scheduler=True, epoch=True):
+    import mgtutor
+
+    state = mgtutor.load_checkpoint(path)
+    job.model.module.load_state_dict(state["model"])
+    job.optimizer.load_state_dict(state["optimizer"])
+    if scheduler:
+        job.scheduler.load_state_dict(state["scheduler"])
+    if epoch:
+        job.epoch = state["epoch"]
+    if "rng" in state:  # one state (saved by rank 0), or every rank's (the reference's save)
+        rng = state["rng"]
+        torch.set_rng_state(rng[dist.get_rank()] if isinstance(rng, list) else rng)
+
+
+def save_without_rng(path, job):
+    _save(path, job, rng=False)
+
+
+def save_rank_0_rng(path, job):
+    _save(path, job, rng=True)
+
+
+def load_everything(path, job):
+    _load(path, job)
+
+
+def load_without_scheduler(path, job):
+    _load(path, job, scheduler=False)
+
+
+def load_without_epoch(path, job):
+    _load(path, job, epoch=False)
+
+
+def _channel_sums(x):
+    dims = [0, *range(2, x.dim())]
+    return x.numel() // x.shape[1], x.double().sum(dims), x.double().pow(2).sum(dims)
+
+
+def stats_mean_of_means(x):
+    """Each rank's mean and mean of squares, averaged over the ranks: fine for equal batches."""
+    n, s, q = _channel_sums(x)
+    moments = torch.cat([s / n, q / n])
+    dist.all_reduce(moments)
+    moments /= dist.get_world_size()
+    mean, square = moments.chunk(2)
+    return mean.float(), (square - mean**2).float()
+
+
+def stats_mean_of_variances(x):
+    n, s, q = _channel_sums(x)
+    mean, var = s / n, q / n - (s / n) ** 2
+    stats = torch.cat([mean, var])
+    dist.all_reduce(stats)
+    return (stats / dist.get_world_size()).chunk(2)
+
+
+def stats_weighted_variances(x):
+    """The right mean, but each rank's variance around its own mean, weighted by its count."""
+    n, s, q = _channel_sums(x)
+    stats = torch.cat(
+        [torch.tensor([float(n)], dtype=torch.float64), s, n * (q / n - (s / n) ** 2)]
+    )
+    dist.all_reduce(stats)
+    total, sums, spreads = stats[0], *stats[1:].chunk(2)
+    return sums / total, spreads / total
+
+
+def stats_unbiased(x):
+    mean, var = solutions.global_batch_stats(x)
+    total = torch.tensor([float(x.numel() // x.shape[1])])
+    dist.all_reduce(total)
+    return mean, var * total / (total - 1)
+
+
+def stats_without_counts(x):
+    """The sums all-reduced, divided by this rank's count times the number of ranks."""
+    n, s, q = _channel_sums(x)
+    sums = torch.cat([s, q])
+    dist.all_reduce(sums)
+    s, q = (sums / (n * dist.get_world_size())).chunk(2)
+    return s, q - s**2
+
+
+def reduce_unchecked(tensor):
+    dist.all_reduce(tensor)
+
+
+def _gathered(tensor):
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (tuple(tensor.shape), tensor.dtype))
+    return everyone
+
+
+def reduce_checking_shapes_only(tensor):
+    shapes = [shape for shape, _ in _gathered(tensor)]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"shapes differ: {dict(enumerate(shapes))}")
+    dist.all_reduce(tensor)
+
+
+def reduce_with_a_vague_message(tensor):
+    if len(set(_gathered(tensor))) > 1:
+        raise ValueError("the tensors differ between ranks")
+    dist.all_reduce(tensor)
+
+
+def reduce_checked_on_rank_0(tensor):
+    everyone = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object((tuple(tensor.shape), tensor.dtype), everyone, dst=0)
+    if dist.get_rank() == 0 and len(set(everyone)) > 1:
+        raise ValueError(f"rank 0 {everyone[0]}, rank 1 {everyone[1]}")
+    dist.all_reduce(tensor)
+
+
+def reduce_gathering_shape_tensors(tensor):
+    """Gathers torch.tensor(shape): its length is the number of dimensions, which can differ."""
+    mine = torch.tensor(tensor.shape, dtype=torch.long)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    if any(not torch.equal(other, mine) for other in everyone):
+        raise ValueError(f"shapes differ: {[(r, t.tolist()) for r, t in enumerate(everyone)]}")
+    dist.all_reduce(tensor)
+
+
+def reduce_asserting(tensor):
+    everyone = _gathered(tensor)
+    assert len(set(everyone)) == 1, f"rank 0 {everyone[0]}, rank 1 {everyone[1]}"
+    dist.all_reduce(tensor)
+
+
+def bytes_with_buckets(n_params, world_size, strategy):
+    return [
+        x + (4 * n_params if strategy == "ddp" else 0)
+        for x in solutions.bytes_per_rank(n_params, world_size, strategy)
+    ]
+
+
+def bytes_zero1_shards_everything(n_params, world_size, strategy):
+    if strategy != "zero1":
+        return solutions.bytes_per_rank(n_params, world_size, strategy)
+    return [16 * (n_params // world_size + (r < n_params % world_size)) for r in range(world_size)]
+
+
+def bytes_zero1_rounded_down(n_params, world_size, strategy):
+    if strategy != "zero1":
+        return solutions.bytes_per_rank(n_params, world_size, strategy)
+    return [8 * n_params + 8 * (n_params // world_size)] * world_size
+
+
+def bytes_fsdp_unpadded(n_params, world_size, strategy):
+    if strategy != "fsdp":
+        return solutions.bytes_per_rank(n_params, world_size, strategy)
+    per_rank = -(-n_params // world_size)
+    return [16 * max(0, min(per_rank, n_params - r * per_rank)) for r in range(world_size)]
+
+
+def bytes_fsdp_padded_state(n_params, world_size, strategy):
+    if strategy != "fsdp":
+        return solutions.bytes_per_rank(n_params, world_size, strategy)
+    return [16 * -(-n_params // world_size)] * world_size
+
+
+def bytes_one_number(n_params, world_size, strategy):
+    return solutions.bytes_per_rank(n_params, world_size, strategy)[0]
+
+
+def buckets_in_forward_order(param_sizes_bytes, cap_bytes, first_cap_bytes):
+    last = len(param_sizes_bytes) - 1
+    reversed_sizes = param_sizes_bytes[::-1]
+    buckets = solutions.assign_buckets(reversed_sizes, cap_bytes, first_cap_bytes)
+    return [[last - i for i in bucket] for bucket in buckets]
+
+
+def buckets_without_a_first_cap(param_sizes_bytes, cap_bytes, first_cap_bytes):
+    return solutions.assign_buckets(param_sizes_bytes, cap_bytes, cap_bytes)
+
+
+def buckets_never_over_the_cap(param_sizes_bytes, cap_bytes, first_cap_bytes):
+    """Closes a bucket before a parameter would take it past its cap."""
+    buckets, size = [[]], 0
+    for index in reversed(range(len(param_sizes_bytes))):
+        cap = first_cap_bytes if len(buckets) == 1 else cap_bytes
+        if buckets[-1] and size + param_sizes_bytes[index] > cap:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(index)
+        size += param_sizes_bytes[index]
+    return buckets
+
+
+def shards_by_rank_only(n_samples, rank, world_size, worker_id, num_workers):
+    return list(range(rank, n_samples, world_size))
+
+
+def shards_by_worker_only(n_samples, rank, world_size, worker_id, num_workers):
+    return list(range(worker_id, n_samples, num_workers))
+
+
+def shards_rounded_down(n_samples, rank, world_size, worker_id, num_workers):
+    """Equal blocks of n // readers: the samples left over are read by nobody."""
+    per = n_samples // (world_size * num_workers)
+    start = (rank * num_workers + worker_id) * per
+    return list(range(start, start + per))
+
+
+def shards_worker_major(n_samples, rank, world_size, worker_id, num_workers):
+    """Each sample once, but the leftovers all go to rank 0's workers."""
+    return list(range(rank * num_workers + worker_id, n_samples, world_size * num_workers))
+
+
+def shards_nothing(n_samples, rank, world_size, worker_id, num_workers):
+    return range(n_samples)
+
+
+def shards_one_past_the_end(n_samples, rank, world_size, worker_id, num_workers):
+    readers = world_size * num_workers
+    return list(range(rank + world_size * worker_id + 1, n_samples + 1, readers))
+
+
+def shards_a_count(n_samples, rank, world_size, worker_id, num_workers):
+    return len(solutions.shard_indices(n_samples, rank, world_size, worker_id, num_workers))
+
+
+def serial_by_amdahl_always(kind, n, step_time_1, step_time_n):
+    """Weak scaling read as strong: the time ratio and Amdahl's law for both kinds."""
+    return (n * step_time_n / step_time_1 - 1) / (n - 1)
+
+
+def serial_by_amdahl_for_weak(kind, n, step_time_1, step_time_n):
+    speedup = n * step_time_1 / step_time_n if kind == "weak" else step_time_1 / step_time_n
+    return (n / speedup - 1) / (n - 1)
+
+
+def serial_weak_time_ratio(kind, n, step_time_1, step_time_n):
+    """Gustafson's law for weak scaling, but on t1 / tn: the factor n forgotten."""
+    if kind == "strong":
+        return solutions.serial_fraction(kind, n, step_time_1, step_time_n)
+    return (n - step_time_1 / step_time_n) / (n - 1)
+
+
+def serial_parallel_fraction(kind, n, step_time_1, step_time_n):
+    return 1 - solutions.serial_fraction(kind, n, step_time_1, step_time_n)
+
+
+def serial_clipped(kind, n, step_time_1, step_time_n):
+    return min(1.0, max(0.0, solutions.serial_fraction(kind, n, step_time_1, step_time_n)))
+
+
+def serial_speedup(kind, n, step_time_1, step_time_n):
+    return step_time_1 / step_time_n * (n if kind == "weak" else 1)
+
+
+def _flat(model):
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def drifted_exactly(model, atol=1e-6):
+    """The reference's exchange, with == where a tolerance is needed."""
+    mine = _flat(model)
+    reference = mine.clone()
+    dist.broadcast(reference, src=0)
+    flags = torch.zeros(dist.get_world_size())
+    flags[dist.get_rank()] = float(not torch.equal(mine, reference))
+    dist.all_reduce(flags)
+    return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+
+
+def drifted_by_checksum(model, atol=1e-6):
+    """Every rank's sum, gathered and compared with rank 0's, with the tolerance."""
+    sums = [None] * dist.get_world_size()
+    dist.all_gather_object(sums, float(_flat(model).double().sum()))
+    return [rank for rank, total in enumerate(sums) if abs(total - sums[0]) > atol]
+
+
+def drifted_locally(model, atol=1e-6):
+    """Each rank finds out about itself and keeps it to itself."""
+    reference = _flat(model)
+    dist.broadcast(reference, src=0)
+    drifted = (_flat(model) - reference).abs().max() > atol
+    return [dist.get_rank()] if drifted else []
+
+
+def drifted_on_rank_0_only(model, atol=1e-6):
+    result = solutions.find_drifted(model, atol)
+    return result if dist.get_rank() == 0 else None
+
+
+def drifted_from_the_mean(model, atol=1e-6):
+    mine = _flat(model)
+    mean = mine.clone()
+    dist.all_reduce(mean)
+    mean /= dist.get_world_size()
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool((mine - mean).abs().max() > atol))
+    return [rank for rank, flag in enumerate(flags) if flag]
+
+
+def drifted_broadcast_in_place(model, atol=1e-6):
+    """Broadcasts into the parameters themselves: the drift is repaired before it is seen."""
+    before = _flat(model)
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, bool((before - _flat(model)).abs().max() > atol))
+    return [rank for rank, flag in enumerate(flags) if flag]
+
+
+def merge_average(out_a, lse_a, out_b, lse_b):
+    return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
+
+
+def merge_not_rescaled(out_a, lse_a, out_b, lse_b):
+    return out_a + out_b, torch.logaddexp(lse_a, lse_b)
+
+
+def merge_lse_by_max(out_a, lse_a, out_b, lse_b):
+    """Weighs the outputs right, but keeps the larger lse: the next merge weighs wrong."""
+    out, _ = solutions.merge_partials(out_a, lse_a, out_b, lse_b)
+    return out, torch.maximum(lse_a, lse_b)
+
+
+def merge_naive_exp(out_a, lse_a, out_b, lse_b):
+    """Exponentiates the lses themselves: inf for scores above 709."""
+    a, b = torch.exp(lse_a), torch.exp(lse_b)
+    out = (a.unsqueeze(-1) * out_a + b.unsqueeze(-1) * out_b) / (a + b).unsqueeze(-1)
+    return out, torch.log(a + b)
+
+
+def merge_without_inf_guard(out_a, lse_a, out_b, lse_b):
+    """Subtracts the maximum, but -inf - (-inf) is NaN on rows no key reached."""
+    top = torch.maximum(lse_a, lse_b)
+    a, b = torch.exp(lse_a - top), torch.exp(lse_b - top)
+    out = (a.unsqueeze(-1) * out_a + b.unsqueeze(-1) * out_b) / (a + b).unsqueeze(-1)
+    return out, top + torch.log(a + b)
+
+
+def merge_returns_out_only(out_a, lse_a, out_b, lse_b):
+    return solutions.merge_partials(out_a, lse_a, out_b, lse_b)[0]
+
+
+class _AllReduceBoth(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Mean(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x / dist.get_world_size()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def pair_all_reduce_both(x):
+    """An all-reduce in both directions, for f and g alike."""
+    return _AllReduceBoth.apply(x)
+
+
+def pair_no_collective(x):
+    return _Identity.apply(x)
+
+
+def pair_mean(x):
+    return _Mean.apply(x)
+
+
+def pair_plain_all_reduce(x):
+    """No autograd.Function: dist.all_reduce on a copy, which autograd cannot see through."""
+    x = x.detach().clone()
+    dist.all_reduce(x)
+    return x
+
+
+# --- the tests ----------------------------------------------------------------------------
+
+
+def _failed_with(result: CheckResult, *words: str) -> bool:
+    text = f"{result.message} {result.hint}".lower()
+    return result.status == "failed" and all(w.lower() in text for w in words)
+
+
+def test_ring_average_passes_the_reference_and_catches_wrong_rings() -> None:
+    reference, summed, shifted, collective, copied = exercises._check(
+        "ring_average",
+        [
+            (solutions.ring_average,),
+            (ring_sum,),
+            (ring_off_by_one_piece,),
+            (ring_by_all_reduce,),
+            (ring_returns_a_copy,),
+        ],
+    )
+    assert reference.passed, reference
+    assert _failed_with(summed, "3 times the mean", "divide by the world size"), summed
+    assert _failed_with(shifted, "piece", "reduce-scatter"), shifted
+    assert _failed_with(collective, "dist.all_reduce", "point-to-point"), collective
+    assert _failed_with(copied, "unchanged", "in place"), copied
+
+
+def test_exact_accuracy_passes_the_reference_and_catches_miscounts() -> None:
+    reference, repeats, own, means = exercises._check(
+        "exact_accuracy",
+        [
+            (solutions.exact_accuracy,),
+            (accuracy_with_repeats,),
+            (accuracy_of_this_rank,),
+            (accuracy_mean_of_means,),
+        ],
+    )
+    assert reference.passed, reference
+    assert _failed_with(repeats, "padded repeats"), repeats
+    assert _failed_with(own, "this rank's own figure"), own
+    assert _failed_with(means, "mean of the ranks' accuracies"), means
+
+
+def test_accumulation_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    results = exercises._check(
+        "accumulate",
+        [
+            (solutions.accumulate,),
+            (accumulate_without_no_sync,),
+            (accumulate_no_sync_around_backward,),
+            (accumulate_undivided,),
+            (accumulate_divided_by_k,),
+            (accumulate_no_last_step,),
+            (accumulate_no_zero_grad,),
+        ],
+    )
+    reference, no_sync, backward_only, undivided, by_k, no_last, no_zero = results
+    assert reference.passed, reference
+    assert _failed_with(
+        no_sync, "all-reduced the gradients 8 time(s)", "forward and the backward"
+    ), no_sync
+    assert _failed_with(backward_only, "8 time(s)", "forward and the backward"), backward_only
+    assert _failed_with(undivided, "4 times too large", "divide each"), undivided
+    assert _failed_with(by_k, "windows of 2, 2 and 1", "1/2 of what", "holds 1"), by_k
+    assert _failed_with(no_last, "ran 2 time(s)", "step after the last window"), no_last
+    assert _failed_with(no_zero, "previous window", "zero_grad"), no_zero
+
+
+def test_snapshot_passes_the_reference_and_catches_what_it_forgets() -> None:
+    reference, no_rng, rank_0_rng, no_scheduler, no_epoch = exercises._check(
+        "snapshot",
+        [
+            (solutions.save_snapshot, solutions.load_snapshot),
+            (save_without_rng, load_everything),
+            (save_rank_0_rng, load_everything),
+            (solutions.save_snapshot, load_without_scheduler),
+            (solutions.save_snapshot, load_without_epoch),
+        ],
+    )
+    assert reference.passed, reference
+    assert _failed_with(no_rng, "was not restored", "torch.get_rng_state"), no_rng
+    assert _failed_with(rank_0_rng, "rank 1 restored rank 0's"), rank_0_rng
+    assert _failed_with(no_scheduler, "scheduler differs", "scheduler.state_dict"), no_scheduler
+    assert _failed_with(no_epoch, "job.epoch is 0"), no_epoch
+
+
+def test_global_batch_stats_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    reference, means, variances, weighted, unbiased, counts = exercises._check(
+        "global_batch_stats",
+        [
+            (solutions.global_batch_stats,),
+            (stats_mean_of_means,),
+            (stats_mean_of_variances,),
+            (stats_weighted_variances,),
+            (stats_unbiased,),
+            (stats_without_counts,),
+        ],
+    )
+    assert reference.passed, reference
+    assert _failed_with(means, "6 and 2", "the mean of the ranks' means", "counts"), means
+    assert _failed_with(variances, "4 and 4", "mean of the ranks' variances", "spread"), variances
+    assert _failed_with(weighted, "4 and 4", "spread between"), weighted
+    assert _failed_with(unbiased, "4 and 4", "unbiased", "correction=0"), unbiased
+    assert _failed_with(counts, "6 and 2", "this rank's count", "all-reduce the count"), counts
+
+
+def test_checked_all_reduce_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    results = exercises._check(
+        "checked_all_reduce",
+        [
+            (solutions.checked_all_reduce,),
+            (reduce_unchecked,),
+            (reduce_checking_shapes_only,),
+            (reduce_with_a_vague_message,),
+            (reduce_checked_on_rank_0,),
+            (reduce_gathering_shape_tensors,),
+            (reduce_asserting,),
+        ],
+    )
+    reference, unchecked, shapes_only, vague, rank_0, shape_tensors, asserting = results
+    assert reference.passed, reference
+    assert _failed_with(
+        unchecked, "(2, 3) on rank 0", "rank 0: all_reduce of (2, 3)", "not enough"
+    ), unchecked
+    assert _failed_with(shapes_only, "float64 on rank 1", "compare the dtypes"), shapes_only
+    assert _failed_with(vague, "name every rank", "here rank 0 (2, 3), rank 1 (3, 2)"), vague
+    assert _failed_with(
+        rank_0, "rank 1: rank 1 went on to dist.all_reduce", "rank 0 had left", "every rank"
+    ), rank_0
+    assert _failed_with(shape_tensors, "0-d on rank 0", "own dist.all_gather", "length 0"), (
+        shape_tensors
+    )
+    assert _failed_with(asserting, "raised AssertionError", "raise ValueError"), asserting
+
+
+def test_bytes_per_rank_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    results = exercises._check(
+        "bytes_per_rank",
+        [
+            (solutions.bytes_per_rank,),
+            (bytes_with_buckets,),
+            (bytes_zero1_shards_everything,),
+            (bytes_zero1_rounded_down,),
+            (bytes_fsdp_unpadded,),
+            (bytes_fsdp_padded_state,),
+            (bytes_one_number,),
+        ],
+    )
+    reference, buckets, zero_all, rounded, unpadded, padded_state, one = results
+    assert reference.passed, reference
+    assert _failed_with(buckets, "4 ranks, ddp", "buckets"), buckets
+    assert _failed_with(zero_all, "1,000 parameters, 4 ranks, zero1", "only the optimizer"), (
+        zero_all
+    )
+    assert _failed_with(rounded, "1,001", "rounding its share down", "one more"), rounded
+    assert _failed_with(unpadded, "10 parameters", "unpadded", "pads"), unpadded
+    assert _failed_with(padded_state, "10 parameters", "zeros_like"), padded_state
+    assert _failed_with(one, "returned int", "a list of 4 numbers"), one
+
+
+def test_buckets_pass_the_reference_and_catch_each_classic_mistake() -> None:
+    reference, forward, one_cap, under = exercises._check(
+        "assign_buckets",
+        [
+            (solutions.assign_buckets,),
+            (buckets_in_forward_order,),
+            (buckets_without_a_first_cap,),
+            (buckets_never_over_the_cap,),
+        ],
+    )
+    assert reference.passed, reference
+    assert _failed_with(forward, "forward order", "in reverse"), forward
+    assert _failed_with(one_cap, "unset", "capped at cap_bytes", "first_cap_bytes"), one_cap
+    assert _failed_with(under, "would pass the cap", "larger than its cap"), under
+
+
+def test_shard_indices_pass_the_reference_and_catch_each_classic_mistake() -> None:
+    results = exercises._check(
+        "shard_indices",
+        [
+            (solutions.shard_indices,),
+            (shards_by_rank_only,),
+            (shards_by_worker_only,),
+            (shards_rounded_down,),
+            (shards_worker_major,),
+            (shards_nothing,),
+            (shards_one_past_the_end,),
+            (shards_a_count,),
+        ],
+    )
+    reference, rank_only, worker_only, rounded, worker_major, nothing, past, count = results
+    assert reference.passed, reference
+    assert _failed_with(rank_only, "rank 0's worker 1", "whole shard", "by rank only"), rank_only
+    assert _failed_with(worker_only, "rank 1's worker 0", "by worker only"), worker_only
+    assert _failed_with(rounded, "read by nobody: [8, 9], the last ones", "left over"), rounded
+    assert _failed_with(
+        worker_major, "rank 0 read 6, rank 1 read 4", "rank * num_workers + worker_id"
+    ), worker_major
+    assert _failed_with(nothing, "every worker of every rank", "nothing is split"), nothing
+    assert _failed_with(past, "sample 10 was read, which does not exist"), past
+    assert _failed_with(count, "returned int", "a list of ints"), count
+
+
+def test_serial_fraction_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    results = exercises._check(
+        "serial_fraction",
+        [
+            (solutions.serial_fraction,),
+            (serial_by_amdahl_always,),
+            (serial_by_amdahl_for_weak,),
+            (serial_weak_time_ratio,),
+            (serial_parallel_fraction,),
+            (serial_clipped,),
+            (serial_speedup,),
+        ],
+    )
+    reference, amdahl_always, amdahl_weak, ratio, parallel, clipped, speedup = results
+    assert reference.passed, reference
+    assert _failed_with(amdahl_always, "weak, 4 ranks", "time ratio, read with amdahl"), (
+        amdahl_always
+    )
+    assert _failed_with(amdahl_weak, "weak, 4 ranks", "amdahl's law", "read with gustafson's"), (
+        amdahl_weak
+    )
+    assert _failed_with(ratio, "weak, 4 ranks", "n x t1 / tn, not t1 / tn"), ratio
+    assert _failed_with(parallel, "strong, 4 ranks", "returned 0.9", "parallel fraction"), parallel
+    assert _failed_with(clipped, "slower than 1", "returned 1, expected 1.4", "do not clip"), (
+        clipped
+    )
+    assert _failed_with(speedup, "strong, 4 ranks", "that is the speedup"), speedup
+
+
+def test_find_drifted_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    results = exercises._check(
+        "find_drifted",
+        [
+            (solutions.find_drifted,),
+            (drifted_exactly,),
+            (drifted_by_checksum,),
+            (drifted_locally,),
+            (drifted_on_rank_0_only,),
+            (drifted_from_the_mean,),
+            (drifted_broadcast_in_place,),
+        ],
+    )
+    reference, exact, checksum, local, rank_0, mean, in_place = results
+    assert reference.passed, reference
+    assert _failed_with(exact, "last bit", "returned [1], expected []", "with a tolerance"), exact
+    assert _failed_with(checksum, "swapped", "same sum", "element by element"), checksum
+    assert _failed_with(local, "rank 0: returned [], expected [2]", "share the verdicts"), local
+    assert _failed_with(rank_0, "rank 1: returned None", "not only rank 0"), rank_0
+    assert _failed_with(mean, "rank 0 is in the list", "not the majority or the mean"), mean
+    assert _failed_with(in_place, "parameters changed", "into a copy"), in_place
+
+
+def test_merge_partials_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    results = exercises._check(
+        "merge_partials",
+        [
+            (solutions.merge_partials,),
+            (merge_average,),
+            (merge_not_rescaled,),
+            (merge_lse_by_max,),
+            (merge_naive_exp,),
+            (merge_without_inf_guard,),
+            (merge_returns_out_only,),
+        ],
+    )
+    reference, average, unscaled, by_max, naive, unguarded, out_only = results
+    assert reference.passed, reference
+    assert _failed_with(average, "keys 0-5", "the average of the two outputs", "exp(lse_part"), (
+        average
+    )
+    assert _failed_with(unscaled, "keys 0-5", "not rescaled", "add up to 1"), unscaled
+    assert _failed_with(by_max, "keys 0-5", "out right, lse wrong", "not their maximum"), by_max
+    assert _failed_with(naive, "near 1,000", "inf", "never exponentiate an lse"), naive
+    assert _failed_with(unguarded, "rows 0-1", "both -inf", "-inf - (-inf) is nan"), unguarded
+    assert _failed_with(out_only, "returned one tensor", "return a pair (out, lse)"), out_only
+
+
+def test_a_stub_is_not_attempted_and_shows_the_reference_passing() -> None:
+    def exact_accuracy(correct, sampler):
+        """Your answer."""
+        raise NotImplementedError  # your code here
+
+    result = exercises.check_exact_accuracy(exact_accuracy)
+    assert result.status == "not attempted" and not result.passed
+    assert result.reference is not None and result.reference.passed
+    assert "NOT ATTEMPTED" in repr(result) and "PASSED" in repr(result)
+    assert "not attempted" in result._repr_html_().lower()
+
+
+def test_a_function_that_raises_is_reported_with_its_rank_and_traceback() -> None:
+    (result,) = exercises._check("exact_accuracy", [(accuracy_raises_on_rank_1,)])
+    assert _failed_with(result, "rank 1 raised ValueError: no samples here"), result
+    assert 'raise ValueError("no samples here")' in result.message
+
+
+def test_a_function_that_hangs_is_stopped_and_reported() -> None:
+    (result,) = exercises._check(
+        "exact_accuracy", [(accuracy_waits_for_a_message_never_sent,)], timeout=2
+    )
+    assert _failed_with(result, "did not finish within 2 s", "every rank"), result
+
+
+def test_stubs_are_recognized_without_running() -> None:
+    def stub(x):
+        raise NotImplementedError  # your code here
+
+    def documented_stub(x):
+        """Docstring."""
+        raise NotImplementedError("write me")
+
+    def started(x):
+        print(x)
+        raise NotImplementedError
+
+    assert _checking._is_stub(stub) and _checking._is_stub(documented_stub)
+    assert not _checking._is_stub(started) and not _checking._is_stub(solutions.ring_average)
+    with pytest.raises(TypeError, match="pass the function itself"):
+        exercises.check_ring_average(None)
+
+
+def test_results_read_well_as_text_and_html() -> None:
+    result = CheckResult("f", "failed", "Case 'x', rank 1: wrong <b>.", hint="look.", cases=("x",))
+    assert repr(result) == "f: FAILED\n  Case 'x', rank 1: wrong <b>.\n  Hint: look."
+    assert "&lt;b&gt;" in result._repr_html_() and "<li>x</li>" in result._repr_html_()
+    assert not result.passed and CheckResult("f", "passed", "ok").passed
+
+
+def test_tensor_parallel_pair_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    f, g = solutions.copy_to_parallel, solutions.reduce_from_parallel
+    results = exercises._check(
+        "tensor_parallel_pair",
+        [
+            (f, g),
+            (pair_all_reduce_both, g),  # f sums where it should copy
+            (f, pair_all_reduce_both),  # g all-reduces in both directions
+            (pair_no_collective, g),  # f never all-reduces
+            (f, pair_no_collective),  # g never all-reduces
+            (g, f),  # the two swapped
+            (f, pair_mean),
+            (f, pair_plain_all_reduce),
+        ],
+    )
+    reference, f_sums, g_both, f_none, g_none, swapped, mean, plain = results
+    assert reference.passed, reference
+    assert _failed_with(f_sums, "copy_to_parallel's forward", "all-reduces where it should copy"), (
+        f_sums
+    )
+    assert _failed_with(g_both, "reduce_from_parallel's backward", "both directions"), g_both
+    assert _failed_with(f_none, "copy_to_parallel's backward", "does not all-reduce"), f_none
+    assert _failed_with(g_none, "reduce_from_parallel's forward", "does not all-reduce"), g_none
+    assert _failed_with(swapped, "copy_to_parallel's forward", "sum over the ranks"), swapped
+    assert _failed_with(mean, "mean over the ranks", "do not average"), mean
+    assert _failed_with(plain, "reduce_from_parallel's backward", "autograd.Function"), plain
