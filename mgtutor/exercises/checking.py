@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import html
 import inspect
+import os
 import shutil
 import tempfile
 import textwrap
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mgtutor.errors import WorkerError, WorkerTimeout
+from mgtutor.exercises import cases
 from mgtutor.exercises.cases import LearnerFailed, run_candidates
 
 __all__ = ["FAILED", "NOT_ATTEMPTED", "PASSED", "CheckResult"]
@@ -319,6 +321,10 @@ def _raised(name: str, exercise: _Exercise, failure: LearnerFailed) -> CheckResu
     )
 
 
+# Where the cases live: a rank's stack below their _call of the learner's function is the learner's.
+_CASES_DIR = os.path.dirname(os.path.abspath(cases.__file__)) + os.sep
+
+
 def _hung(name: str, exercise: _Exercise, exc: WorkerTimeout, timeout: float) -> CheckResult:
     lines = [
         f"Did not finish within {timeout:g} s; rank(s) {exc.running} were still running and "
@@ -328,7 +334,7 @@ def _hung(name: str, exercise: _Exercise, exc: WorkerTimeout, timeout: float) ->
         stack = (exc.stacks.get(rank) or "").splitlines()
         # The frames below the checker's call of the learner's function are the learner's.
         inside = next(
-            (i for i, line in enumerate(stack) if "_exercise_cases" in line and "_call" in line),
+            (i for i, line in enumerate(stack) if _CASES_DIR in line and "_call" in line),
             None,
         )
         if inside is not None:

@@ -890,6 +890,9 @@ def test_a_function_that_hangs_is_stopped_and_reported() -> None:
         "exact_accuracy", [(accuracy_waits_for_a_message_never_sent,)], timeout=2
     )
     assert _failed_with(result, "did not finish within 2 s", "every rank"), result
+    # Where each rank waited is shown from the learner's own function down.
+    assert "in accuracy_waits_for_a_message_never_sent" in result.message, result.message
+    assert "Rank 0 was not in your function" not in result.message, result.message
 
 
 def test_stubs_are_recognized_without_running() -> None:

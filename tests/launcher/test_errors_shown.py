@@ -181,7 +181,7 @@ def test_rank_stacks_are_in_pythons_order_innermost_last() -> None:
 def test_a_checker_shows_the_learners_frames_innermost_last() -> None:
     stack = "\n".join(
         [
-            '  File "/mgtutor/_exercise_cases/ring.py", line 20, in _call',
+            f'  File "{_checking._CASES_DIR}ring.py", line 20, in _call',
             "    return fn(tensor)",
             '  File "/notebook/cell.py", line 9, in ring_average',
             "    dist.recv(buf, src)",
