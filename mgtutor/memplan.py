@@ -519,11 +519,12 @@ def plot_breakdown(
         bottom = [b + v for b, v in zip(bottom, values)]
     transient = [(b.transient or 0) / scale for _, b in bars]
     if any(transient):
+        drawn = [x for x in xs if transient[x]]  # no empty outlined box where there is none
         ax.bar(
-            xs,
-            transient,
+            drawn,
+            [transient[x] for x in drawn],
             0.6,
-            bottom=bottom,
+            bottom=[bottom[x] for x in drawn],
             label="transient (unit gathered, with its gradients)",
             color="white",
             edgecolor="#555555",
