@@ -6,7 +6,7 @@ What it measures
     * ``pool.run``: ``mgtutor.Pool(world_size=2).run(noop)``. The call returns a full
       :class:`mgtutor.Run`: each rank's result, relayed output, wall time, timing records and
       memory figures.
-    * ``%%ddp (kernel)``: a notebook cell ``%%ddp --no-tabs`` / ``pass`` executed in a real
+    * ``%%ddp (kernel)``: a notebook cell ``%%ddp`` / ``pass`` executed in a real
       IPython kernel (jupyter_client), timed from sending the cell to its ``execute_reply``.
       ``kernel: pass`` is a plain ``pass`` cell in the same kernel: the kernel's own share.
     * ``launch``: ``mgtutor.launch(noop, world_size=2)``, which starts two new rank processes
@@ -117,7 +117,7 @@ def start_cases(skip: set[str]) -> tuple[dict[str, Callable[[], Any]], dict[str,
         kernel.run("%load_ext mgtutor\n%ddp_start -n 2 --backend gloo")
         starts["%%ddp (kernel)"] = time.perf_counter() - t0
         closers.append(kernel.close)
-        cases["%%ddp (kernel)"] = lambda: kernel.run("%%ddp --no-tabs\npass")
+        cases["%%ddp (kernel)"] = lambda: kernel.run("%%ddp\npass")
         cases["kernel: pass"] = lambda: kernel.run("pass")
 
     try:

@@ -61,6 +61,7 @@ class Experiment:
         self.status = widgets.Label(value="")
         self.output = widgets.Output()
         self.button.on_click(lambda _: self.run())
+        self.title = title
         header = [widgets.HTML(f"<b>{title}</b>")] if title else []
         self.widget = widgets.VBox(
             [*header, *controls.values(), widgets.HBox([self.button, self.status]), self.output]
@@ -99,6 +100,11 @@ class Experiment:
         return self.result
 
     def _ipython_display_(self) -> None:
-        from IPython.display import display
+        from mgtutor.measure.progress import display_widget
 
-        display(self.widget)
+        settings = ", ".join(f"{k}={v!r}" for k, v in self.values.items())
+        name = f"{self.title}: " if self.title else ""
+        display_widget(
+            self.widget,
+            f"[{name}controls set to {settings} and a Run button, drawn while the notebook runs]",
+        )

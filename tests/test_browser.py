@@ -1,18 +1,24 @@
 """The workbook in a real browser: JupyterLab, headless Chromium, Run > Run All Cells.
 
 nbval (the notebooks' own tests) runs every cell in a kernel but never renders anything. This test
-does what a learner does: it starts JupyterLab, opens a notebook in Chromium, clears its outputs,
-runs all cells from the Run menu, and then reads the page:
+does what a learner does: it starts JupyterLab, opens a notebook in Chromium, reads what the
+stored outputs show before anything runs (a line of text for each widget, never a raw
+``VBox(children=...`` repr), clears the outputs, runs all cells from the Run menu, and then reads
+the page:
 
 - every code cell ran (has an execution count) and the saved notebook has no error output
   (stderr streams are expected: warnings, a child's traceback that a cell shows on purpose);
 - the per-rank progress bars (mgtutor.progress: ipywidgets IntProgress, "rank 0", "rank 1", ...)
   rendered and reached 100%, and no widget failed to render;
-- every matplotlib figure (image/png output) is an image the browser decoded and laid out.
+- every matplotlib figure (image/png output) is an image the browser decoded and laid out;
+- %%ddp shows each rank's output once: as tagged lines, or in its tabs with ``--tabs``.
 
-Screenshots go to results/browser/. With MGTUTOR_UPDATE_SCREENSHOT=1 the one of 00_setup's
-progress bars and plot is also copied to docs/workbook.png, the README's picture; a plain run
-never changes a tracked file.
+A second test runs a notebook with one launch that fails and reads the first line of the error
+the learner sees: it must be the diagnosis or the message, not a frame of mgtutor's code.
+
+Screenshots go to results/browser/. With MGTUTOR_UPDATE_SCREENSHOT=1, 00_setup runs too and the
+screenshot of its progress bars and plot is copied to docs/workbook.png, the README's picture; a
+plain run never changes a tracked file.
 
 Hermetic: JupyterLab runs on a free port of 127.0.0.1 with a random token and its own temporary
 config, data, runtime and IPython directories, on copies of the notebooks in a temporary directory
@@ -70,6 +76,13 @@ RUN_ALL_S = 300  # Run All Cells, per notebook (measured 25-150 s on 2 shared co
 # budget). One is enough to see that they render; every notebook's cells run under nbval, and
 # the controls of 02, 04 and 05 are tested in tests/test_interactive.py.
 BROWSER_NOTEBOOKS = ["11_live_ranks.ipynb"]
+UPDATE_SCREENSHOT = os.environ.get("MGTUTOR_UPDATE_SCREENSHOT") == "1"
+if UPDATE_SCREENSHOT:
+    BROWSER_NOTEBOOKS.append("00_setup.ipynb")  # the README's picture
+
+# What ipywidgets' own text form of mgtutor's widgets starts with: shown wherever a widget
+# cannot be drawn (a notebook opened before it runs is not trusted, so its widgets are not).
+RAW_WIDGET_REPRS = ("VBox(", "HBox(", "Tab(", "IntProgress(", "Output()")
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -346,6 +359,21 @@ READY_JS = f"""(cells) => {{
 SAVED_MESSAGE_GONE_JS = """() => !Array.from(document.querySelectorAll('.jp-StatusBar-TextItem'))
     .some(e => e.textContent.includes('Saving'))"""
 
+# The text of every cell output, as the page shows it (an Output widget's own output areas are
+# part of the cell output that holds the widget, not counted again).
+OUTPUT_TEXTS_JS = f"""() => Array.from({_PANEL}.querySelectorAll('.jp-OutputArea-output'))
+    .filter(e => !e.parentElement.closest('.jupyter-widgets'))
+    .map(e => e.textContent)"""
+
+# The first line of a code cell's last output (where its error is drawn), as the page shows it.
+LAST_OUTPUT_FIRST_LINE_JS = f"""(index) => {{
+  const cell = {_PANEL}.querySelectorAll('.jp-CodeCell')[index];
+  const outputs = cell ? cell.querySelectorAll('.jp-OutputArea-output') : [];
+  if (!outputs.length) return null;
+  const last = outputs[outputs.length - 1];
+  return (last.innerText || last.textContent).split('\\n').map(l => l.trim()).find(Boolean) || '';
+}}"""
+
 WIDGET_TROUBLE_JS = f"""() => {{
   const text = {_PANEL}.textContent;
   return ['Error displaying widget', 'Loading widget...', 'Failed to display']
@@ -413,6 +441,22 @@ def _dismiss_popups(page) -> None:
         page.keyboard.press("Escape")
 
 
+def _open(page, lab: Lab, notebook: str) -> None:
+    """Open ``notebook`` and wait for its cells and an idle kernel; fold the file browser away."""
+    cells = len(json.loads((lab.root / notebook).read_text())["cells"])
+    page.goto(lab.page_url(notebook))
+    page.wait_for_function(READY_JS, arg=cells, timeout=PAGE_LOAD_S * 1000, polling=250)
+    _dismiss_popups(page)
+    # Fold the left sidebar (the file browser) away, as a click on its tab does: the notebook
+    # gets the width, the screenshots show more of it.
+    for tab in page.query_selector_all(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current"):
+        tab.click()
+
+
+def _raw_reprs(texts: list[str]) -> list[str]:
+    return [text[:120] for text in texts if any(r in text for r in RAW_WIDGET_REPRS)]
+
+
 def _wait_run_all(page) -> dict:
     """Wait until Run All has finished: something ran, nothing is queued, the kernel is idle."""
     deadline = time.monotonic() + RUN_ALL_S
@@ -475,15 +519,15 @@ def test_notebook_runs_in_jupyterlab(lab: Lab, browser, notebook: str) -> None:
     console_errors: list[str] = []
     page.on("console", lambda m: console_errors.append(m.text) if m.type == "error" else None)
     try:
-        cells = len(json.loads((lab.root / notebook).read_text())["cells"])
-        page.goto(lab.page_url(notebook))
-        page.wait_for_function(READY_JS, arg=cells, timeout=PAGE_LOAD_S * 1000, polling=250)
-        _dismiss_popups(page)
-        # Fold the left sidebar (the file browser) away, as a click on its tab does: the
-        # notebook gets the width, the screenshots show more of it.
-        for tab in page.query_selector_all(".jp-SideBar.jp-mod-left .lm-TabBar-tab.lm-mod-current"):
-            tab.click()
+        _open(page, lab, notebook)
         page.screenshot(path=str(RESULTS / f"{stem}-1-opened.png"))
+
+        # 0. Opened before any cell runs, the stored outputs read as text: each widget shows
+        # the line mgtutor stored for it, not ipywidgets' repr.
+        stored = page.evaluate(OUTPUT_TEXTS_JS)
+        assert stored, f"{notebook} shows no stored outputs"
+        assert not _raw_reprs(stored), f"raw widget reprs in {notebook}: {_raw_reprs(stored)}"
+        assert any(t.startswith("[progress bars of ranks") for t in stored), stored
 
         # Clear the stored outputs, so that everything checked below comes from this run.
         _menu(page, "Edit", "editmenu:clear-all")
@@ -529,12 +573,20 @@ def test_notebook_runs_in_jupyterlab(lab: Lab, browser, notebook: str) -> None:
         page.wait_for_timeout(300)
         page.screenshot(path=str(RESULTS / f"{stem}-2-progress.png"))
 
-        # 3. %%ddp cells show each rank's output in a tab of its own.
+        # 3. %%ddp shows each rank's output once: tagged lines by default, with --tabs in a
+        # tab per rank and not as lines too.
         sources = "".join("".join(c["source"]) for c in code_cells)
         if "%%ddp\n" in sources:
+            page_text = " ".join(page.evaluate(OUTPUT_TEXTS_JS))
+            assert page_text.count("before: [1.0, 1.0]") == 1, page_text.count("before: [1.0")
+            assert "[rank 0] before: [1.0, 1.0]" in page_text
+        if "%%ddp --tabs\n" in sources:
             tabs = page.evaluate(TABS_JS)
             assert any({"rank 0", "rank 1"} <= set(t["labels"]) for t in tabs), tabs
-            assert any("before: [1.0, 1.0]" in t["shown"] for t in tabs), tabs
+            assert any("rank 0 holds [3.0, 3.0]" in t["shown"] for t in tabs), tabs
+            page_text = " ".join(page.evaluate(OUTPUT_TEXTS_JS))
+            assert page_text.count("rank 0 holds [3.0, 3.0]") == 1, page_text
+            assert "[rank 0] rank 0 holds" not in page_text, page_text
 
         # 4. Every figure is visible: decoded (natural size) and laid out (drawn size).
         images = page.evaluate(IMAGES_JS)
@@ -557,7 +609,7 @@ def test_notebook_runs_in_jupyterlab(lab: Lab, browser, notebook: str) -> None:
         print(f"{notebook}: {len(code_cells)} cells ran, {len(bars)} rank bars at 100%, "
               f"{len(images)} figures visible; slowest cells: {_slowest(code_cells)}")  # fmt: skip
 
-        if stem == "00_setup" and os.environ.get("MGTUTOR_UPDATE_SCREENSHOT") == "1":
+        if stem == "00_setup" and UPDATE_SCREENSHOT:
             assert in_view == {"bars": True, "plot": True}, f"screenshot would miss: {in_view}"
             README_SCREENSHOT.parent.mkdir(exist_ok=True)
             shutil.copy2(RESULTS / f"{stem}-2-progress.png", README_SCREENSHOT)
@@ -567,6 +619,54 @@ def test_notebook_runs_in_jupyterlab(lab: Lab, browser, notebook: str) -> None:
         if console_errors:
             print(f"browser console errors ({len(console_errors)}):", *console_errors[-10:],
                   sep="\n  ")  # fmt: skip
+        print("JupyterLab log (tail):", lab.log_tail(), sep="\n")
+        raise
+    finally:
+        context.close()
+
+
+FAILING_LAUNCH = [
+    "import mgtutor",
+    "def work():\n"
+    "    import torch.distributed as dist\n"
+    "    mgtutor.setup()\n"
+    "    if dist.get_rank() == 1:\n"
+    "        raise ValueError('a bad batch on rank 1')\n"
+    "    dist.barrier()",
+    "mgtutor.launch(work, world_size=2)",
+    "print('not reached: Run All stops at the error')",
+]
+
+
+def test_an_error_cells_first_line_is_the_message(lab: Lab, browser) -> None:
+    # A learner reads an error from its top: the first line must say what went wrong (the
+    # doctor's diagnosis or the exception's message), not a separator or mgtutor's frames.
+    import nbformat
+
+    notebook = "failing_launch.ipynb"
+    cells = [nbformat.v4.new_code_cell(source) for source in FAILING_LAUNCH]
+    kernel = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb = nbformat.v4.new_notebook(cells=cells, metadata={"kernelspec": kernel})
+    nbformat.write(nb, lab.root / notebook)
+    context = browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    try:
+        _open(page, lab, notebook)
+        _menu(page, "Run", "runmenu:run-all")
+        _wait_run_all(page)
+        saved = _save_and_read(page, lab.root / notebook)
+        errors = [o for c in saved["cells"] for o in c.get("outputs", [])
+                  if o["output_type"] == "error"]  # fmt: skip
+        assert [e["ename"] for e in errors] == ["WorkerError"], errors
+        assert "not reached" not in json.dumps(saved["cells"][3].get("outputs", []))
+        first_line = page.evaluate(LAST_OUTPUT_FIRST_LINE_JS, 2)  # the launch cell's error
+        page.screenshot(path=str(RESULTS / "failing_launch.png"))
+        assert "rank 1 raised ValueError" in first_line, (
+            f"the error's first line is {first_line!r}, not the message"
+        )
+    except BaseException:
+        with contextlib.suppress(Exception):
+            page.screenshot(path=str(RESULTS / "failing_launch-failed.png"))
         print("JupyterLab log (tail):", lab.log_tail(), sep="\n")
         raise
     finally:

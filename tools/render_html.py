@@ -11,8 +11,9 @@ with JupyterLab).
 Widgets (the per-rank progress bars, the experiment controls) are live only in a running
 notebook. The HTML shows a line in their place saying so: the notebooks store no widget state,
 any that is stored is dropped (rendering it would load the widget library from a CDN when the
-page is opened), and the widget's own text fallback (its Python repr, such as
-"VBox(children=(HBox(children=(IntProgress(value=0, ...") would say nothing useful to a reader.
+page is opened). The line is the one mgtutor stored as the widget's text form; a widget shown
+with ipywidgets' own (its Python repr, such as "VBox(children=(HBox(children=(IntProgress(...")
+gets a line saying what kind of widget it was.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def without_widgets(nb: nbformat.NotebookNode) -> int:
-    """Replace every widget output by a line of text saying what it is; return how many."""
+    """Replace every widget output by its line of text; return how many."""
     nb.metadata.pop("widgets", None)
     count = 0
     for cell in nb.cells:
@@ -55,12 +56,11 @@ def without_widgets(nb: nbformat.NotebookNode) -> int:
             data = output.get("data", {})
             if WIDGET_VIEW not in data:
                 continue
-            kind = (
-                "per-rank progress bars"
-                if "IntProgress" in str(data.get("text/plain", ""))
-                else "interactive controls"
-            )
-            output["data"] = {"text/plain": f"[{kind}: live when the notebook runs in JupyterLab]"}
+            text = str(data.get("text/plain", ""))
+            if not text.startswith("["):  # ipywidgets' own repr, not the line mgtutor stores
+                kind = "per-rank progress bars" if "IntProgress" in text else "interactive controls"
+                text = f"[{kind}: live when the notebook runs in JupyterLab]"
+            output["data"] = {"text/plain": text}
             count += 1
     return count
 

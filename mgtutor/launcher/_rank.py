@@ -315,7 +315,7 @@ def _run_call(call: Call, spec: RankSpec) -> Done | Failed:
     kept = _namespace.kept_names()
     if kept and isinstance(answer, Failed):
         # The notebook says it for a call that finished (Done's record); here, where it failed.
-        print(f"mgtutor: {_namespace.kept_note(kept)}", file=sys.stderr)
+        print(f"mgtutor: {_namespace.kept_note(kept)}")  # a note, not an error
     return answer
 
 

@@ -34,7 +34,8 @@ class RankOutput:
         open: the names of the pipes not yet at end of file.
         diag: everything read from the stack-dump pipe.
         ended: for each stream, the last call whose end marker came through it.
-        sink: where each relayed line also goes (``sink(rank, stream, text)``), e.g. a tab.
+        sink: where each relayed line goes instead of the cell (``sink(rank, stream, text)``),
+            e.g. a tab.
     """
 
     rank: int
@@ -99,10 +100,11 @@ class RankOutput:
         self._partial[name] = rest
 
     def _write(self, name: str, text: str) -> None:
-        target = sys.stdout if name == "stdout" else sys.stderr
-        target.write(f"[rank {self.rank}] {text}\n")
         if self.sink is not None:
             self.sink(self.rank, name, text)
+            return
+        target = sys.stdout if name == "stdout" else sys.stderr
+        target.write(f"[rank {self.rank}] {text}\n")
 
     def close(self) -> None:
         """Close the notebook's ends of the pipes."""

@@ -41,6 +41,7 @@ def launch(
     timeout: float | None = None,
     start_timeout: float | None = 300.0,
     start_method: str | None = None,
+    quiet: bool = False,
     **kwargs: Any,
 ) -> Run:
     """Run ``fn(*args, **kwargs)`` in ``world_size`` worker processes, one per rank.
@@ -71,9 +72,11 @@ def launch(
             "spawn": every rank is a fresh interpreter that imports torch itself (about a
             second or more per launch). Both are safe after CUDA was used in the notebook;
             plain "fork" is not, and is refused.
+        quiet: show no progress bars (for launches made in a loop); what the ranks print and
+            any error still come.
         **kwargs: keyword arguments for fn. (Names world_size, backend, timeout,
-            start_timeout and start_method are taken by launch itself; pass such arguments
-            with functools.partial.)
+            start_timeout, start_method and quiet are taken by launch itself; pass such
+            arguments with functools.partial.)
 
     Returns:
         A :class:`mgtutor.Run`; ``run.results[r]`` is what rank r returned. Tensors on a GPU
@@ -114,7 +117,7 @@ def launch(
         _one_call=True,
     )
     try:
-        run = pool._call(payload, list(range(world_size)), timeout)
+        run = pool._call(payload, list(range(world_size)), timeout, quiet)
     finally:
         pool.close()
     return with_wall_time(run, time.perf_counter() - started)

@@ -21,8 +21,9 @@ runs (the notebook says so where it has a value that a rank did not use because 
 own). ``%ddp_push lr model`` gives every rank the notebook's values. What a cell prints comes
 back as ``[rank r] ...`` lines, and the value of its last line, if it is an expression, as
 ``[rank r] Out: ...`` (its ``repr``, so any object can be shown). The last cell's
-:class:`mgtutor.Run` is in the notebook as ``_ddp``. In a live JupyterLab each rank's output is
-also shown in a tab of its own.
+:class:`mgtutor.Run` is in the notebook as ``_ddp``. ``%%ddp --tabs`` shows each rank's output
+in a tab of its own instead (in a running JupyterLab; a stored notebook keeps only a line saying
+so, so the tagged lines are the default).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import argparse
 import ast
 import shlex
 import symtable
-import sys
 from typing import Any
 
 from mgtutor.launcher._supervise import Wording
@@ -42,7 +42,7 @@ __all__ = ["load_ipython_extension", "current_pool"]
 _state: dict[str, Any] = {"pool": None, "options": {"world_size": 2, "backend": None}, "cells": 0}
 
 _CELL_HELP = """\
-%%ddp [--ranks R[,R...]] [--timeout S] [--no-tabs]
+%%ddp [--ranks R[,R...]] [--timeout S] [--tabs]
 
 Run this cell's code on every rank of the notebook's pool (started with 2 ranks on first use,
 or as %ddp_start says), in each rank's own namespace, kept across cells. A name the cell
@@ -55,7 +55,8 @@ notebook otherwise; the notebook says when one of its values was not used for th
                  they wait for the others, until --timeout passes; then every rank is stopped
                  and the pool starts new ones on the next cell (what the ranks held is lost).
   --timeout S    stop the cell after S seconds once every rank started it (default: no limit).
-  --no-tabs      do not show each rank's output in a tab of its own (the tagged lines stay).
+  --tabs         show each rank's output in a tab of its own instead of [rank r] lines
+                 (JupyterLab with ipywidgets; a stored notebook keeps only a line saying so).
 
 An exception on one rank is reported with that rank's traceback. If the other ranks finish the
 cell, the pool is kept; if they wait for the failed rank in a collective, every rank is stopped
@@ -84,7 +85,6 @@ def _pool() -> Pool:
         print(
             f"mgtutor: starting {options['world_size']} ranks for %%ddp "
             f"(backend {options['backend'] or 'chosen by setup'}); %ddp_stop ends them.",
-            file=sys.stderr,
             flush=True,
         )
         pool = Pool(options["world_size"], options["backend"], _wording=_DDP_WORDING)
@@ -163,7 +163,6 @@ def _notebook_values(source: str, user_ns: dict[str, Any]) -> dict[str, Any]:
                 f"mgtutor: %%ddp did not send the notebook's `{name}` to the ranks: it cannot "
                 f"be pickled ({type(exc).__name__}: {exc}). The ranks use their own `{name}` "
                 f"if they have one; build it in a %%ddp cell otherwise.",
-                file=sys.stderr,
                 flush=True,
             )
     return sendable
@@ -185,7 +184,7 @@ def _cell_parser() -> _Parser:
     parser = _Parser(prog="%ddp", add_help=False)
     parser.add_argument("--ranks", default=None)
     parser.add_argument("--timeout", type=float, default=None)
-    parser.add_argument("--no-tabs", action="store_true")
+    parser.add_argument("--tabs", action="store_true")
     return parser
 
 
@@ -213,6 +212,15 @@ def _rank_tabs(world_size: int, ranks: list[int]) -> tuple[Any, dict[int, Any]] 
     return tab, outputs
 
 
+def _tabs_text(ranks: list[int]) -> str:
+    """The tabs' plain-text form: what a stored notebook shows in their place."""
+    return (
+        f"[%%ddp --tabs: the output of rank{'s' if len(ranks) > 1 else ''} "
+        f"{', '.join(map(str, ranks))}, a tab each, drawn while the notebook runs; "
+        f"without --tabs it is printed as [rank r] lines]"
+    )
+
+
 def ddp(line: str, cell: str) -> Any:
     """The ``%%ddp`` cell magic (see the module docstring and ``%%ddp?``)."""
     options = _cell_parser().parse_args(shlex.split(line))
@@ -226,12 +234,13 @@ def ddp(line: str, cell: str) -> Any:
     # The notebook's linecache carries the cell's text to the ranks (for their tracebacks).
     lines = cell.splitlines(keepends=True)
     linecache.cache[filename] = (len(cell), None, lines, filename)
-    tabs = None if options.no_tabs else _rank_tabs(pool.world_size, ranks)
+    tabs = _rank_tabs(pool.world_size, ranks) if options.tabs else None
     if tabs is not None:
-        from IPython.display import display
+        from mgtutor.measure.progress import display_widget
 
         tab, outputs = tabs
-        display(tab)
+        display_widget(tab, _tabs_text(ranks))
+        # The tabs replace the tagged lines: each rank's output is shown once.
         pool._sink = lambda rank, stream, text: _to_tab(outputs, rank, stream, text)
     values = _notebook_values(cell, _user_namespace())
     try:
@@ -239,10 +248,12 @@ def ddp(line: str, cell: str) -> Any:
     finally:
         pool._sink = None
     for r, value in zip(ranks, run.results):
-        if value is not None:
+        if value is None:
+            continue
+        if tabs is None:
             print(f"[rank {r}] Out: {value}")
-            if tabs is not None:
-                _to_tab(tabs[1], r, "stdout", f"Out: {value}")
+        else:
+            _to_tab(tabs[1], r, "stdout", f"Out: {value}")
     _user_namespace()["_ddp"] = run
     return None
 

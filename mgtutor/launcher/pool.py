@@ -27,7 +27,6 @@ import atexit
 import dataclasses
 import os
 import shutil
-import sys
 import tempfile
 import time
 import weakref
@@ -129,8 +128,8 @@ class Pool:
         self._store: Any = None
         self.closed = False
         self.started_at = 0.0
-        # Where each relayed line also goes during a call (``sink(rank, stream, text)``):
-        # %%ddp's per-rank tabs.
+        # Where each relayed line goes instead of the cell during a call
+        # (``sink(rank, stream, text)``): %%ddp's per-rank tabs.
         self._sink: Callable[[int, str, str], None] | None = None
         # How the notes printed by a call tell the learner to push a value or start new ranks
         # (%%ddp says it in its own words).
@@ -227,6 +226,7 @@ class Pool:
         *args: Any,
         timeout: float | None = None,
         ranks: Sequence[int] | None = None,
+        quiet: bool = False,
         **kwargs: Any,
     ) -> Run:
         """Run ``fn(*args, **kwargs)`` on every rank (or on ``ranks``) and wait for all.
@@ -246,7 +246,10 @@ class Pool:
                 are stopped (the next call starts new ones).
             ranks: run on these ranks only. A collective needs every rank of the group: if
                 only some ranks enter one, they wait until ``timeout`` (then the pool restarts).
-            **kwargs: keyword arguments for fn (``timeout`` and ``ranks`` are taken by run).
+            quiet: show no progress bars (for calls made in a loop); what the ranks print and
+                any error still come.
+            **kwargs: keyword arguments for fn (``timeout``, ``ranks`` and ``quiet`` are taken
+                by run).
 
         Returns:
             A :class:`mgtutor.Run` with one result per rank it ran on, in rank order.
@@ -262,9 +265,11 @@ class Pool:
             raise TypeError(f"Pool.run needs a function to run on every rank, got {fn!r}")
         _processes.check_arguments(self.world_size, self.backend, timeout, self.start_timeout)
         targets = self._targets(ranks)
-        return self._call(_send.pickle_payload(fn, args, kwargs), targets, timeout)
+        return self._call(_send.pickle_payload(fn, args, kwargs), targets, timeout, quiet)
 
-    def _call(self, payload: bytes, targets: list[int], timeout: float | None) -> Run:
+    def _call(
+        self, payload: bytes, targets: list[int], timeout: float | None, quiet: bool = False
+    ) -> Run:
         """Send one pickled call to ``targets``, wait for their answers, build the Run."""
         if self.closed:
             raise RuntimeError("this pool is closed; make a new one, or call pool.restart()")
@@ -298,7 +303,7 @@ class Pool:
             h.output.sink = self._sink
             if not supervisor.send(h, call):
                 h.failed_at = time.perf_counter()  # its pipe closed: the process has gone
-        board = ProgressBoard(self.world_size)
+        board = ProgressBoard(self.world_size, quiet)
         supervisor.run_call(
             call.call, handles, board, timeout, self.start_timeout, keep=not self._one_call
         )
@@ -318,7 +323,6 @@ class Pool:
             f"{_send.changes(self._group_environ, now)}. These act only when a process group is "
             f"made, so the running ranks do not use the new values; "
             f"{self._restart_advice} starts new ranks that do (what the ranks hold is lost).",
-            file=sys.stderr,
             flush=True,
         )
 
@@ -334,7 +338,7 @@ class Pool:
             advice = self._push_advice.format(
                 pairs=", ".join(f"{n}={n}" for n in names), names=" ".join(names)
             )
-            print(f"mgtutor: {note}. To send the notebook's: {advice}.", file=sys.stderr)
+            print(f"mgtutor: {note}. To send the notebook's: {advice}.", flush=True)
 
     def _targets(self, ranks: Sequence[int] | None) -> list[int]:
         if ranks is None:
@@ -351,7 +355,6 @@ class Pool:
         print(
             "mgtutor: the pool's ranks had been stopped (see the last error); starting new "
             "ones. What the old ranks held (models, optimizers, names) is gone.",
-            file=sys.stderr,
             flush=True,
         )
         self._shutdown()

@@ -573,7 +573,7 @@ def plot_breakdown(
     if not bars:
         raise ValueError("no breakdowns to plot: pass a list of MemoryBreakdown, one per rank")
     if ax is None:
-        ax = _new_figure(max(4.5, 1.8 + 0.8 * len(bars)), 4.4).add_subplot()
+        ax = _new_figure(max(5.5, 1.8 + 1.0 * len(bars)), 4.4).add_subplot()
     unit, scale = _unit_for(max(b.total for _, b in bars))
     xs = range(len(bars))
     bottom = [0.0] * len(bars)
@@ -585,11 +585,12 @@ def plot_breakdown(
         bottom = [b + v for b, v in zip(bottom, values)]
     transient = [(b.transient or 0) / scale for _, b in bars]
     if any(transient):
+        drawn = [x for x in xs if transient[x]]  # no empty outlined box where there is none
         ax.bar(
-            xs,
-            transient,
+            drawn,
+            [transient[x] for x in drawn],
             0.6,
-            bottom=bottom,
+            bottom=[bottom[x] for x in drawn],
             label="transient (unit gathered, with its gradients)",
             color="white",
             edgecolor="#555555",
@@ -603,7 +604,9 @@ def plot_breakdown(
     ax.set_ylabel(unit)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=3, frameon=False)
-    ax.margins(y=0.15)
+    # Room above the tallest bar for its label (two lines with a transient): margins alone
+    # were not kept once the hatched bars were drawn, and the labels ran into the title.
+    ax.set_ylim(0, max(bottom) * (1.25 if any(transient) else 1.15))
     return ax.figure
 
 

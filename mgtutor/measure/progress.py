@@ -1,8 +1,11 @@
 """Per-rank progress bars: a worker reports, the notebook shows one bar per rank.
 
 Inside a worker call ``mgtutor.progress(step, total)``. In JupyterLab the launching cell shows an
-ipywidgets bar per rank that advances while the ranks run; elsewhere (a terminal, a script, a
-notebook without ipywidgets) the parent prints a plain line at every tenth of the way.
+ipywidgets bar per rank that advances while the ranks run, and a line with each rank's last
+count when they finish (a stored notebook, opened before it runs or on a code host, shows the
+bars as a line of text and then that count); elsewhere (a terminal, a script, a notebook without
+ipywidgets) the parent prints a plain line at every tenth of the way. ``launch(..., quiet=True)``
+and ``pool.run(..., quiet=True)`` show no progress at all.
 """
 
 from __future__ import annotations
@@ -59,6 +62,21 @@ def _print_text(rank: int | None, step: int, total: int, desc: str, last: int | 
     return tenth
 
 
+def display_widget(widget: Any, text: str) -> None:
+    """Display ``widget`` with ``text`` as its plain-text form.
+
+    A notebook stores a display's text/plain as it was when shown, and shows it wherever the
+    widget cannot be drawn: on a code host, in an untrusted notebook opened before it runs, in
+    nbconvert's HTML. ipywidgets' own is the widget's repr (``VBox(children=(HBox(...``); this
+    line says what the widget is instead.
+    """
+    from IPython.display import display
+
+    bundle = widget._repr_mimebundle_()
+    bundle["text/plain"] = text
+    display(bundle, raw=True)
+
+
 def _in_notebook() -> bool:
     try:
         from IPython import get_ipython
@@ -71,8 +89,9 @@ def _in_notebook() -> bool:
 class ProgressBoard:
     """The parent's view of every rank's progress: widgets in a notebook, text elsewhere."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, quiet: bool = False) -> None:
         self.world_size = world_size
+        self.quiet = quiet
         self._bars: list[Any] | None = None
         self._labels: list[Any] = []
         self._text_tenths: dict[tuple[int, str], int] = {}
@@ -85,7 +104,6 @@ class ProgressBoard:
 
     def _make_widgets(self) -> None:
         import ipywidgets as widgets
-        from IPython.display import display
 
         self._bars = []
         rows = []
@@ -101,10 +119,18 @@ class ProgressBoard:
             self._bars.append(bar)
             self._labels.append(label)
             rows.append(widgets.HBox([bar, label]))
-        display(widgets.VBox(rows))
+        last = self.world_size - 1
+        ranks = "rank 0" if last == 0 else f"ranks 0-{last}"
+        display_widget(
+            widgets.VBox(rows),
+            f"[progress bars of {ranks}: drawn while a notebook runs; each rank's last count "
+            f"is printed when the ranks finish]",
+        )
 
     def update(self, rank: int, step: int, total: int, desc: str) -> None:
         """Show that ``rank`` has done ``step`` of ``total``."""
+        if self.quiet:
+            return
         if not self._use_widgets:
             key = (rank, desc)
             self._text_tenths[key] = _print_text(
@@ -121,7 +147,8 @@ class ProgressBoard:
         self._labels[rank].value = f"{label}{step}/{total} ({100 * step / total:.0f}%)"
 
     def finish(self, failed_rank: int | None) -> None:
-        """Colour the bars: green when the launch succeeded, red on the rank that failed."""
+        """Colour the bars (green when the launch succeeded, red on the rank that failed) and
+        print each rank's last count, the bars' lasting text form."""
         if self._bars is None:
             return
         for rank, bar in enumerate(self._bars):
@@ -133,3 +160,9 @@ class ProgressBoard:
             else:
                 bar.bar_style = "warning"
                 self._labels[rank].value += " - stopped"
+        counts = [
+            f"rank {r} {label.value.lstrip(' -')}"
+            for r, label in enumerate(self._labels)
+            if label.value
+        ]
+        print("progress: " + ", ".join(counts), flush=True)

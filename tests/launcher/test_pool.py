@@ -109,16 +109,16 @@ def test_a_ranks_own_names_are_never_replaced_and_push_always_wins(pool, capfd) 
         assert space["first"] == [0.1, 0.1] and space["second"] == [0.2, 0.2]
         assert space["models"] == ["the ranks' model"] * 2
         assert space["pushed"] == [42, 42]
-        err = capfd.readouterr().err
-        assert "`model` was not used on rank(s) 0, 1" in err, err
-        assert "pool.push(model=model)" in err and "`x` was not used" in err, err
-        assert "`rate`" not in err, err  # a name the ranks never made is the notebook's: no note
+        out, err = capfd.readouterr()
+        assert "`model` was not used on rank(s) 0, 1" in out, out
+        assert "pool.push(model=model)" in out and "`x` was not used" in out, out
+        assert "`rate`" not in out, out  # a name the ranks never made is the notebook's: no note
+        assert "was not used" not in err, err  # a note, not an error: not in stderr's red box
         with pytest.raises(mgtutor.WorkerError, match="the ranks' model"):
             pool.run(space["fails"])
-        assert (
-            "[rank 1] mgtutor: the notebook's `model` was not used on this rank"
-            in capfd.readouterr().err
-        )
+        out, err = capfd.readouterr()
+        assert "[rank 1] mgtutor: the notebook's `model` was not used on this rank" in out, out
+        assert "was not used" not in err, err
     finally:
         for name in names:
             shell.user_ns.pop(name, None)
@@ -130,13 +130,14 @@ def test_variables_read_when_a_group_is_made_are_reported_once_when_changed(
     capsys.readouterr()
     monkeypatch.setenv("NCCL_DEBUG", "INFO")
     pool.run(lambda: None)
-    err = capsys.readouterr().err
-    assert "NCCL_DEBUG (unset -> 'INFO')" in err and "pool.restart()" in err, err
+    out, err = capsys.readouterr()
+    assert "NCCL_DEBUG (unset -> 'INFO')" in out and "pool.restart()" in out, out
+    assert "NCCL_DEBUG" not in err, err  # a note, on stdout
     pool.run(lambda: None)
-    assert "NCCL_DEBUG" not in capsys.readouterr().err  # said once per change
+    assert "NCCL_DEBUG" not in capsys.readouterr().out  # said once per change
     monkeypatch.delenv("NCCL_DEBUG")
     pool.run(lambda: None)
-    assert "NCCL_DEBUG" not in capsys.readouterr().err  # back as the ranks' group has it
+    assert "NCCL_DEBUG" not in capsys.readouterr().out  # back as the ranks' group has it
 
 
 def test_an_error_keeps_the_pool_when_the_others_finish(pool) -> None:
@@ -180,7 +181,7 @@ def test_an_error_while_the_peer_waits_in_a_collective_restarts_the_pool(pool, c
     # The next call starts new ranks and says so; their namespace is new.
     with pytest.raises(mgtutor.WorkerError, match="has no name 'kept'"):
         pool.pull("kept")
-    assert "starting new ones" in capsys.readouterr().err
+    assert "starting new ones" in capsys.readouterr().out
     assert pool.alive and pool.run(os.getpid).results != pids
 
 
@@ -400,12 +401,12 @@ def test_ddp_cell_magic_keeps_each_ranks_namespace(capsys) -> None:
         shell.run_cell_magic("ddp", "", "scale = 7\nr * scale")  # the ranks' own from here
         shell.run_cell_magic("ddp", "", "r * scale")
         assert shell.user_ns["_ddp"].results == ["0", "7"]
-        err = capsys.readouterr().err
-        assert "the notebook's `scale` was not used" in err and "%ddp_push scale" in err, err
+        out = capsys.readouterr().out
+        assert "the notebook's `scale` was not used" in out and "%ddp_push scale" in out, out
         shell.run_line_magic("ddp_push", "scale")
         shell.run_cell_magic("ddp", "", "r * scale")
         assert shell.user_ns["_ddp"].results == ["0", "5"]
-        assert "`scale`" not in capsys.readouterr().err  # equal values: nothing to say
+        assert "`scale`" not in capsys.readouterr().out  # equal values: nothing to say
         with pytest.raises(ValueError, match="the notebook has no nowhere"):
             shell.run_line_magic("ddp_push", "nowhere")
         pids = mgtutor.launcher.magic.current_pool().run(os.getpid).results

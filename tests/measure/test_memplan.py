@@ -210,6 +210,26 @@ def test_plot_breakdown_stacks_one_bar_per_rank():
         memplan.plot_breakdown([])
 
 
+def test_plot_breakdown_labels_stay_below_the_title():
+    from mgtutor.models import small_cnn
+
+    fig = memplan.plot_breakdown(
+        {
+            "DDP": memplan.estimate(small_cnn(), world_size=2),
+            "FSDP": memplan.estimate(small_cnn(), world_size=2, strategy="fsdp"),
+        },
+        title="The calculator, FSDP's all-gathered unit included",
+    )
+    fig.draw_without_rendering()
+    ax = fig.axes[0]
+    title_bottom = ax.title.get_window_extent().y0
+    axes_top = ax.get_window_extent().y1
+    for label in ax.texts:
+        box = label.get_window_extent()
+        assert box.y1 <= axes_top and box.y1 < title_bottom, (label.get_text(), box, axes_top)
+    plt.close(fig)
+
+
 def test_track_puts_the_breakdown_in_the_run_and_its_memory_plot() -> None:
     def tracked():
         import torch
