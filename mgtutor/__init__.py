@@ -12,8 +12,8 @@ The workbook's helper package. Its folders, in the order the notebooks meet them
 * :mod:`mgtutor.errors`: :class:`WorkerError` and :class:`WorkerTimeout`.
 * :mod:`mgtutor.measure`: what the ranks measure and how it is shown. :mod:`~.measure.timing`
   (:func:`phase`, :func:`step`, :class:`StepTimer`), :mod:`~.measure.memory` (what the per-rank
-  memory figures count), :mod:`~.measure.memplan` (each rank's memory by category, measured
-  and computed), :mod:`~.measure.activations` (the bytes a forward and backward keep alive),
+  memory figures count), :mod:`~.measure.breakdown` and :mod:`~.measure.memplan` (each rank's
+  memory by category, measured and computed ahead), :mod:`~.measure.activations` (the bytes a forward and backward keep alive),
   :mod:`~.measure.plots`, :mod:`~.measure.progress` (per-rank progress bars),
   :mod:`~.measure.stats` (repeated measurements read with their spread) and
   :mod:`~.measure.run` (:class:`Run`, what a launch returns).
@@ -44,9 +44,15 @@ from mgtutor.hardware import HardwareInfo, describe_hardware
 from mgtutor.interactive import Experiment
 from mgtutor.launcher.launch import launch
 from mgtutor.launcher.pool import Pool
+from mgtutor.measure.breakdown import MemoryBreakdown, track
 from mgtutor.measure.memory import MemoryStats
-from mgtutor.measure.memplan import MemoryBreakdown, plot_breakdown, track
-from mgtutor.measure.plots import plot_memory, plot_scaling, plot_step_times, plot_timeline
+from mgtutor.measure.plots import (
+    plot_breakdown,
+    plot_memory,
+    plot_scaling,
+    plot_step_times,
+    plot_timeline,
+)
 from mgtutor.measure.progress import progress
 from mgtutor.measure.run import RankResult, Run
 from mgtutor.measure.timing import PhaseRecord, StepTimer, phase, step, timer

@@ -2,8 +2,9 @@
 
 * :mod:`.timing`: :func:`~.timing.phase`, :func:`~.timing.step`, :class:`~.timing.StepTimer`.
 * :mod:`.memory`: what the per-rank memory figures count.
-* :mod:`.memplan`: each rank's memory by category (parameters, gradients, optimizer state,
-  DDP buckets), measured and computed.
+* :mod:`.breakdown`: each rank's memory by category (parameters, gradients, optimizer state,
+  DDP buckets), measured from the tensors inside the rank.
+* :mod:`.memplan`: the same categories computed ahead, per strategy (DDP, ZeRO-1, FSDP, TP).
 * :mod:`.activations`: the bytes a forward and backward create and keep alive.
 * :mod:`.stats`: repeated measurements read with their spread.
 * :mod:`.progress`: per-rank progress bars.

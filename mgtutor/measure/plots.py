@@ -1,4 +1,4 @@
-"""Plots of a launch: per-rank memory, a timeline of phases, step times, and scaling.
+"""Plots of a launch: per-rank memory (and by category), a timeline of phases, step times, scaling.
 
 Each function returns the matplotlib Figure, so a notebook shows it by leaving it as the cell's
 last expression (or with ``plt.show()``), and a script can ``fig.savefig(...)``. matplotlib is
@@ -7,14 +7,16 @@ imported inside the functions, so workers never pay for it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
+from mgtutor.measure.breakdown import CATEGORIES, MemoryBreakdown
 from mgtutor.measure.memory import format_bytes
 from mgtutor.measure.run import Run
 from mgtutor.measure.timing import STEP
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 __all__ = ["plot_memory", "plot_timeline", "plot_step_times", "plot_scaling"]
@@ -85,8 +87,6 @@ def plot_memory(run: Run) -> Figure:
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), frameon=False)
     ax.margins(y=0.15)
     if panels == 2:
-        from mgtutor.measure.memplan import plot_breakdown
-
         plot_breakdown(
             {r.rank: b for r, b in zip(run.ranks, tracked)},
             ax=fig.add_subplot(1, 2, 2),
@@ -257,3 +257,95 @@ def plot_scaling(runs: Sequence[Run]) -> Figure:
     ax.set_title("Scaling: throughput and efficiency", fontsize=10)
     ax.legend(fontsize=8)
     return fig
+
+
+_COLOURS = {
+    "parameters": "#66c2a5",
+    "gradients": "#fc8d62",
+    "optimizer_state": "#8da0cb",
+    "communication": "#e78ac3",
+    "activations": "#ffd92f",
+}
+
+
+def plot_breakdown(
+    breakdowns: Sequence[MemoryBreakdown]
+    | Mapping[int, MemoryBreakdown]
+    | Mapping[str, Sequence[MemoryBreakdown]],
+    *,
+    title: str = "Memory by category per rank",
+    ax: Axes | None = None,
+) -> Figure:
+    """One stacked bar per rank: parameters, gradients, optimizer state, communication, ...
+
+    Activations are stacked only where they were measured (GPU ranks); an estimate's
+    ``transient`` bytes (FSDP's unit, gathered, with its gradients) are drawn hatched on top.
+
+    Args:
+        breakdowns: a list indexed by rank, a dict by rank, or a dict from a label (say
+            "DDP", "FSDP") to such a list, drawn as groups side by side.
+        title: the plot's title.
+        ax: draw on these axes (say, beside :func:`mgtutor.plot_memory`'s bars) instead of on
+            a new figure.
+
+    Returns:
+        The figure (the one holding ``ax`` when it is given).
+
+    Raises:
+        ValueError: when there is nothing to draw.
+    """
+
+    bars: list[tuple[str, MemoryBreakdown]] = []
+    if isinstance(breakdowns, Mapping):
+        for key, value in breakdowns.items():
+            if isinstance(value, MemoryBreakdown):
+                bars.append((f"rank {key}", value))
+            else:
+                bars.extend((f"{key}\nrank {r}", b) for r, b in enumerate(value))
+    else:
+        bars = [(f"rank {r}", b) for r, b in enumerate(breakdowns)]
+    if not bars:
+        raise ValueError("no breakdowns to plot: pass a list of MemoryBreakdown, one per rank")
+    if ax is None:
+        ax = _new_figure(max(5.5, 1.8 + 1.0 * len(bars)), 4.4).add_subplot()
+    unit, scale = _unit_for(max(b.total for _, b in bars))
+    xs = range(len(bars))
+    bottom = [0.0] * len(bars)
+    for name in CATEGORIES:
+        values = [(getattr(b, name) or 0) / scale for _, b in bars]
+        if not any(values):
+            continue
+        ax.bar(xs, values, 0.6, bottom=bottom, label=name.replace("_", " "), color=_COLOURS[name])
+        bottom = [b + v for b, v in zip(bottom, values)]
+    transient = [(b.transient or 0) / scale for _, b in bars]
+    if any(transient):
+        drawn = [x for x in xs if transient[x]]  # no empty outlined box where there is none
+        ax.bar(
+            drawn,
+            [transient[x] for x in drawn],
+            0.6,
+            bottom=[bottom[x] for x in drawn],
+            label="transient (unit gathered, with its gradients)",
+            color="white",
+            edgecolor="#555555",
+            hatch="//",
+        )
+        bottom = [b + v for b, v in zip(bottom, transient)]
+    for x, (_, b) in zip(xs, bars):
+        text = format_bytes(b.total) + (f"\n+{format_bytes(b.transient)}" if b.transient else "")
+        ax.annotate(text, (x, bottom[x]), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(xs), [label for label, _ in bars], fontsize=8)
+    ax.set_ylabel(unit)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncols=3, frameon=False)
+    # Room above the tallest bar for its label (two lines with a transient): margins alone
+    # were not kept once the hatched bars were drawn, and the labels ran into the title.
+    ax.set_ylim(0, max(bottom) * (1.25 if any(transient) else 1.15))
+    return ax.figure
+
+
+def _unit_for(largest: int) -> tuple[str, float]:
+    for unit, scale in (("GiB", 1024.0**3), ("MiB", 1024.0**2), ("KiB", 1024.0)):
+        if largest >= scale:
+            return unit, scale
+    return "bytes", 1.0

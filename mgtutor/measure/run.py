@@ -7,8 +7,8 @@ import reprlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from mgtutor.measure.breakdown import MemoryBreakdown
 from mgtutor.measure.memory import MemoryStats, format_bytes
-from mgtutor.measure.memplan import MemoryBreakdown
 from mgtutor.measure.timing import STEP, PhaseRecord
 
 __all__ = ["RankResult", "Run"]
@@ -34,7 +34,7 @@ class RankResult:
         timings: the intervals it recorded with :mod:`mgtutor.measure.timing`, times relative to the
             launch's start.
         breakdown: what :func:`mgtutor.track` named in fn, by category (see
-            :class:`~mgtutor.measure.memplan.MemoryBreakdown`); None if fn tracked nothing.
+            :class:`~mgtutor.measure.breakdown.MemoryBreakdown`); None if fn tracked nothing.
     """
 
     rank: int

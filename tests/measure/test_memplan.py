@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import mgtutor
-from mgtutor.measure import memplan
+from mgtutor.measure import memplan, plots
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication")
 
@@ -198,22 +198,22 @@ def test_estimate_from_a_count():
 
 def test_plot_breakdown_stacks_one_bar_per_rank():
     per_rank = memplan.estimate(odd_model(), world_size=2, strategy="fsdp")
-    fig = memplan.plot_breakdown(
+    fig = plots.plot_breakdown(
         {"DDP": memplan.estimate(odd_model(), world_size=2), "FSDP": per_rank}
     )
     labels = [t.get_text() for t in fig.axes[0].get_xticklabels()]
     assert labels == ["DDP\nrank 0", "DDP\nrank 1", "FSDP\nrank 0", "FSDP\nrank 1"]
     outer = plt.figure()
     plt.close(outer)
-    assert memplan.plot_breakdown(per_rank, ax=outer.add_subplot(1, 2, 2)) is outer
+    assert plots.plot_breakdown(per_rank, ax=outer.add_subplot(1, 2, 2)) is outer
     with pytest.raises(ValueError, match="no breakdowns"):
-        memplan.plot_breakdown([])
+        plots.plot_breakdown([])
 
 
 def test_plot_breakdown_labels_stay_below_the_title():
     from mgtutor.models import small_cnn
 
-    fig = memplan.plot_breakdown(
+    fig = plots.plot_breakdown(
         {
             "DDP": memplan.estimate(small_cnn(), world_size=2),
             "FSDP": memplan.estimate(small_cnn(), world_size=2, strategy="fsdp"),

@@ -1,0 +1,77 @@
+"""The checkers of the model-parallel notebooks' exercises (13 on)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mgtutor.exercises.catalogue import EXERCISES
+from mgtutor.exercises.checking import CheckResult, _check_one
+
+__all__ = ["check_tensor_parallel_pair", "check_merge_partials"]
+
+
+def check_tensor_parallel_pair(
+    copy_to_parallel: Callable[..., Any],
+    reduce_from_parallel: Callable[..., Any],
+    *,
+    timeout: float = 20.0,
+) -> CheckResult:
+    """Check Megatron-LM's f and g, the conjugate pair around a tensor-parallel region.
+
+    The exercise: write ``copy_to_parallel(x)`` (f: x unchanged in forward, its gradient
+    all-reduced in backward) and ``reduce_from_parallel(x)`` (g: x all-reduced in forward, the
+    gradient unchanged in backward), each returning ``SomeFunction.apply(x)`` of a
+    ``torch.autograd.Function`` you write.
+
+    The checker runs them on 2 ranks: each function alone, forward and backward, with a
+    different input and a different upstream gradient on each rank; then an MLP split
+    column-wise (the up layer's rows) then row-wise (the down layer's columns) with ``f``
+    before it and ``g`` after it, whose output and every gradient must equal the same MLP in
+    one process. It recognizes an all-reduce in both directions, none at all, a sum where a
+    copy belongs, and a mean where a sum belongs.
+
+    Args:
+        copy_to_parallel: your f.
+        reduce_from_parallel: your g.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: either argument is not a function.
+    """
+    return _check_one(
+        EXERCISES["tensor_parallel_pair"], (copy_to_parallel, reduce_from_parallel), timeout
+    )
+
+
+def check_merge_partials(
+    merge_partials: Callable[..., Any], *, timeout: float = 20.0
+) -> CheckResult:
+    """Check the log-sum-exp merge of two partial attention results, as ring attention needs.
+
+    The exercise: write ``merge_partials(out_a, lse_a, out_b, lse_b) -> (out, lse)``.
+    ``out_a`` ``(..., L, D)`` is the attention of L queries over block a of the keys alone, and
+    ``lse_a`` ``(..., L)`` the log of each row's softmax normalizer over that block; the same for
+    block b. Return the attention over both blocks and its log-sum-exp, with no overflow for
+    large scores, and with rows that no key reached (``lse`` ``-inf`` in both) left at 0 and
+    ``-inf``.
+
+    The checker compares with attention over both blocks on five cases (blocks of equal and
+    unequal size, scores near 1,000, a fully masked block, rows that see nothing), then runs
+    :func:`mgtutor.parallel.context.ring_attention` with your merge on 2 ranks, causal, against
+    full attention.
+
+    Args:
+        merge_partials: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``merge_partials`` is not a function.
+    """
+    return _check_one(EXERCISES["merge_partials"], (merge_partials,), timeout)
