@@ -233,6 +233,7 @@ def start_rank(
     """Start one rank process and return the notebook's handle on it."""
     parent_conn, child_conn = ctx.Pipe(duplex=True)
     pipes = {name: ctx.Pipe(duplex=False) for name in ("stdout", "stderr", "diag")}
+    started = ctx.RawArray("d", 2)
     spec = RankSpec(
         rank=rank,
         env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)},
@@ -246,10 +247,11 @@ def start_rank(
         backend=backend,
         one_call=one_call,
         parent_pid=_parent_of_ranks(ctx),
+        started=started,
     )
     process = ctx.Process(target=rank_main, args=(spec,), name=f"mgtutor-rank-{rank}", daemon=False)
     output = RankOutput(rank, {k: r for k, (r, _) in pipes.items()})
-    handle = RankHandle(rank, process, parent_conn, output)
+    handle = RankHandle(rank, process, parent_conn, output, started_slot=started)
     try:
         process.start()
     finally:
