@@ -9,6 +9,7 @@ regression that waited on a timer, polled, or sent more messages per call fails 
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -101,3 +102,19 @@ def test_output_is_relayed_whole_when_the_answer_comes(counted, capsys) -> None:
         counted = dict(counted)
     assert counted["sleeps"] == 0
     assert counted["empty waits"] == 0
+
+
+def test_the_forkservers_fallback_without_proc_finds_children() -> None:
+    # Where /proc is missing (macOS), the server's SIGTERM handler lists its ranks with psutil.
+    import subprocess
+    import sys
+
+    from mgtutor import _processes
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert child.pid in _processes._children_from_psutil(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in _processes._children_from_psutil(os.getpid())
