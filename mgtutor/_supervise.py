@@ -107,7 +107,7 @@ class RankHandle:
 
     def check_started(self) -> bool:
         """True once fn of this call has started (the rank says so in the shared slot)."""
-        if not self.started and self.started_slot is not None:
+        if not self.started and self.call and self.started_slot is not None:
             self.started = int(self.started_slot[0]) == self.call
         return self.started
 

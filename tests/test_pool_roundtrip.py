@@ -10,6 +10,10 @@ regression that waited on a timer, polled, or sent more messages per call fails 
 from __future__ import annotations
 
 import os
+import select
+import signal
+import socket
+import threading
 import time
 
 import pytest
@@ -118,3 +122,35 @@ def test_the_forkservers_fallback_without_proc_finds_children() -> None:
         child.kill()
         child.wait()
     assert child.pid not in _processes._children_from_psutil(os.getpid())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not hasattr(select, "POLLRDHUP"), reason="POLLRDHUP is Linux's")
+def test_a_rank_in_a_call_ends_when_the_notebooks_end_of_its_pipe_hangs_up() -> None:
+    # The rank's main thread reads its pipe only between calls; while fn runs, a thread that
+    # waits for the hang-up alone must end the rank (the notebook died, its pipe closed).
+    def slow() -> None:
+        time.sleep(60)
+
+    errors: list[BaseException] = []
+    with mgtutor.Pool(world_size=2, backend="gloo") as pool:
+        h = pool._supervisor.handles[0]
+
+        def call() -> None:
+            try:
+                pool.run(slow)
+            except BaseException as exc:
+                errors.append(exc)
+
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        while not (h.call == 1 and h.check_started()):  # fn runs in rank 0
+            time.sleep(0.05)
+        end = socket.socket(fileno=os.dup(h.conn.fileno()))
+        end.shutdown(socket.SHUT_RDWR)  # what the notebook's death does to the pipe
+        end.close()
+        caller.join(30)  # fn would sleep 60 s more
+        assert not caller.is_alive()
+        assert h.exitcode == -signal.SIGKILL
+    assert errors and isinstance(errors[0], mgtutor.WorkerError)
+    assert "rank 0 was killed by signal SIGKILL" in str(errors[0])
