@@ -39,6 +39,7 @@ Run it from the repository root, on an otherwise idle machine::
 
     python benchmarks/pool_roundtrip.py               # 200 rounds, 1 to 3 minutes
     python benchmarks/pool_roundtrip.py --no-kernel   # without the %%ddp kernel rows
+    python benchmarks/pool_roundtrip.py --no-kernel --no-launch   # the raw pipe and pool.run
     python benchmarks/pool_roundtrip.py --repeats 50
 """
 
@@ -157,7 +158,8 @@ def start_cases(skip: set[str]) -> tuple[dict[str, Callable[[], Any]], dict[str,
     starts["pool.run"] = time.perf_counter() - t0
     closers.append(pool.close)
     cases["pool.run"] = lambda: pool.run(noop)
-    cases["launch"] = lambda: mgtutor.launch(noop, world_size=WORLD_SIZE)
+    if "launch" not in skip:
+        cases["launch"] = lambda: mgtutor.launch(noop, world_size=WORLD_SIZE)
 
     if "kernel" not in skip:
         t0 = time.perf_counter()
@@ -209,11 +211,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200, help="rounds (default 200)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-kernel", action="store_true", help="leave out the %%ddp kernel")
+    parser.add_argument(
+        "--no-launch", action="store_true", help="leave out mgtutor.launch (its processes' ends)"
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results" / "pool_roundtrip.json")
     args = parser.parse_args()
     rng = random.Random(args.seed)
 
-    cases, starts, closers = start_cases({"kernel"} if args.no_kernel else set())
+    left_out = {"kernel": args.no_kernel, "launch": args.no_launch}
+    cases, starts, closers = start_cases({name for name, skip in left_out.items() if skip})
     times: dict[str, list[float]] = {name: [] for name in cases}
     ratios: list[float] = []
     raw_ratios: list[float] = []
