@@ -3,6 +3,9 @@
 What it measures
     The round trip of a no-op on 2 ranks that are already running, seen from the caller, for:
 
+    * ``raw pipe``: a ``multiprocessing`` pipe to each of 2 running processes that echo what
+      they receive; one small message sent to both, both answers read. Nothing is pickled
+      but the message, nothing relayed or measured: the floor a pool call is compared with.
     * ``pool.run``: ``mgtutor.Pool(world_size=2).run(noop)``. The call returns a full
       :class:`mgtutor.Run`: each rank's result, relayed output, wall time, timing records and
       memory figures.
@@ -25,15 +28,18 @@ How
     Everything is started first and kept running; then, in every round, each case runs once in
     a freshly shuffled order, so slow moments of a shared machine hit them alike (``launch``
     runs in every fifth round only). Each time is ``time.perf_counter()`` around one call. The
-    script prints the median, minimum and maximum of each case and the median per-round ratio
-    of ``pool.run`` to ipyparallel.
+    script prints the median, quartiles, minimum and maximum of each case, and the median
+    per-round ratios of ``pool.run`` to the raw pipe and to ipyparallel.
 
-Target (from the pool issue)
-    ``pool.run`` at or under ipyparallel's median in the same run, and the fastest of them all.
+Targets (from the pool issues)
+    ``pool.run`` within 3x the raw pipe's round trip (issue 24), and at or under ipyparallel's
+    median in the same run, the fastest of the peers (issue 14).
 
 Run it from the repository root, on an otherwise idle machine::
 
-    python benchmarks/pool_roundtrip.py               # 200 rounds, about a minute
+    python benchmarks/pool_roundtrip.py               # 200 rounds, 1 to 3 minutes
+    python benchmarks/pool_roundtrip.py --no-kernel   # without the %%ddp kernel rows
+    python benchmarks/pool_roundtrip.py --no-kernel --no-launch   # the raw pipe and pool.run
     python benchmarks/pool_roundtrip.py --repeats 50
 """
 
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import random
@@ -63,6 +70,44 @@ WORLD_SIZE = 2
 
 def noop() -> None:
     return None
+
+
+def _echo(conn: Any) -> None:
+    """The raw pipe's other end: send back what comes, until None."""
+    while (message := conn.recv()) is not None:
+        conn.send(message)
+
+
+class RawPipes:
+    """``n`` running processes, each at the end of a plain ``multiprocessing`` pipe."""
+
+    def __init__(self, n: int) -> None:
+        ctx = multiprocessing.get_context("fork" if sys.platform == "linux" else "spawn")
+        self.ends = []
+        self.processes = []
+        for _ in range(n):
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(target=_echo, args=(theirs,), daemon=True)
+            process.start()
+            theirs.close()
+            self.ends.append(ours)
+            self.processes.append(process)
+
+    def run(self) -> None:
+        for end in self.ends:
+            end.send(1)
+        for end in self.ends:
+            end.recv()
+
+    def close(self) -> None:
+        for end in self.ends:
+            end.send(None)
+        for process in self.processes:
+            process.join(5)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
 
 
 def _timed(call: Callable[[], Any]) -> float:
@@ -101,6 +146,10 @@ def start_cases(skip: set[str]) -> tuple[dict[str, Callable[[], Any]], dict[str,
     starts: dict[str, Any] = {}
     closers: list[Callable[[], Any]] = []
 
+    raw = RawPipes(WORLD_SIZE)  # first, forked before this process starts any thread
+    closers.append(raw.close)
+    cases["raw pipe"] = raw.run
+
     t0 = time.perf_counter()
     mgtutor.launch(noop, world_size=WORLD_SIZE)  # starts mgtutor's forkserver: not a pool cost
     starts["first launch (forkserver start)"] = time.perf_counter() - t0
@@ -109,7 +158,8 @@ def start_cases(skip: set[str]) -> tuple[dict[str, Callable[[], Any]], dict[str,
     starts["pool.run"] = time.perf_counter() - t0
     closers.append(pool.close)
     cases["pool.run"] = lambda: pool.run(noop)
-    cases["launch"] = lambda: mgtutor.launch(noop, world_size=WORLD_SIZE)
+    if "launch" not in skip:
+        cases["launch"] = lambda: mgtutor.launch(noop, world_size=WORLD_SIZE)
 
     if "kernel" not in skip:
         t0 = time.perf_counter()
@@ -161,13 +211,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200, help="rounds (default 200)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-kernel", action="store_true", help="leave out the %%ddp kernel")
+    parser.add_argument(
+        "--no-launch", action="store_true", help="leave out mgtutor.launch (its processes' ends)"
+    )
     parser.add_argument("--out", type=Path, default=HERE / "results" / "pool_roundtrip.json")
     args = parser.parse_args()
     rng = random.Random(args.seed)
 
-    cases, starts, closers = start_cases({"kernel"} if args.no_kernel else set())
+    left_out = {"kernel": args.no_kernel, "launch": args.no_launch}
+    cases, starts, closers = start_cases({name for name, skip in left_out.items() if skip})
     times: dict[str, list[float]] = {name: [] for name in cases}
     ratios: list[float] = []
+    raw_ratios: list[float] = []
+    load_before = os.getloadavg()[0]
     try:
         for call in cases.values():  # one untimed call each
             call()
@@ -180,6 +236,7 @@ def main() -> None:
                 times[name].append(this_round[name])
             if "ipyparallel" in this_round:
                 ratios.append(this_round["pool.run"] / this_round["ipyparallel"])
+            raw_ratios.append(this_round["pool.run"] / this_round["raw pipe"])
     finally:
         for close in reversed(closers):
             try:
@@ -187,23 +244,32 @@ def main() -> None:
             except Exception as exc:  # report, keep closing the others
                 print(f"closing a case failed: {exc}", file=sys.stderr)
 
-    rows = []
-    for name, values in sorted(times.items(), key=lambda kv: statistics.median(kv[1])):
-        med = statistics.median(values)
-        rows.append((name, med, min(values), max(values), len(values)))
     print(
         f"\ntorch {torch.__version__}, Python {platform.python_version()}, "
-        f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end"
+        f"{os.cpu_count()} cores, load average {load_before:.2f} before the rounds and "
+        f"{os.getloadavg()[0]:.2f} after"
     )
-    print("\n| call (2 ranks, already running) | median | min | max | calls |")
-    print("|---|---|---|---|---|")
-    for name, med, low, high, n in rows:
-        print(f"| {name} | {med * 1e3:.1f} ms | {low * 1e3:.1f} ms | {high * 1e3:.1f} ms | {n} |")
+    print("\n| call (2 ranks, already running) | median | quartiles | min | max | calls |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, values in sorted(times.items(), key=lambda kv: statistics.median(kv[1])):
+        low_q, _, high_q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
+        print(
+            f"| {name} | {_ms(statistics.median(values))} | {_ms(low_q)} - {_ms(high_q)} | "
+            f"{_ms(min(values))} | {_ms(max(values))} | {len(values)} |"
+        )
     print("\n| start (once) | seconds |")
     print("|---|---|")
     for name, value in starts.items():
         shown = f"{value:.2f} s" if isinstance(value, float) else value
         print(f"| {name} | {shown} |")
+    raw_ratio = statistics.median(raw_ratios)
+    of_medians = statistics.median(times["pool.run"]) / statistics.median(times["raw pipe"])
+    low_q, _, high_q = statistics.quantiles(raw_ratios, n=4)
+    print(
+        f"\npool.run / raw pipe, median of per-round ratios: {raw_ratio:.2f} (quartiles "
+        f"{low_q:.2f} - {high_q:.2f}; ratio of medians {of_medians:.2f}; "
+        f"{'meets' if raw_ratio <= 3 else 'misses'} the target of <= 3)"
+    )
     if ratios:
         ratio = statistics.median(ratios)
         verdict = "meets" if ratio <= 1 else "misses"
@@ -214,7 +280,13 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
-            {"times": times, "starts": {k: str(v) for k, v in starts.items()}, "ratios": ratios},
+            {
+                "times": times,
+                "starts": {k: str(v) for k, v in starts.items()},
+                "ratios": ratios,
+                "raw_ratios": raw_ratios,
+                "load_before": load_before,
+            },
             indent=1,
         )
     )

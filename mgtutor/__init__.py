@@ -13,8 +13,8 @@ The workbook's helper package. Its folders, in the order the notebooks meet them
 * :mod:`mgtutor.measure`: what the ranks measure and how it is shown. :mod:`~.measure.timing`
   (:func:`phase`, :func:`step`, :class:`StepTimer`), :mod:`~.measure.memory` (what the per-rank
   memory figures count), :mod:`~.measure.breakdown` and :mod:`~.measure.memplan` (each rank's
-  memory by category, measured and computed ahead), :mod:`~.measure.activations` (the bytes a forward and backward keep alive),
-  :mod:`~.measure.plots`, :mod:`~.measure.progress` (per-rank progress bars),
+  memory by category, measured and computed ahead), :mod:`~.measure.activations` (the bytes
+  a forward and backward keep alive), :mod:`~.measure.plots`, :mod:`~.measure.progress` (per-rank progress bars),
   :mod:`~.measure.stats` (repeated measurements read with their spread) and
   :mod:`~.measure.run` (:class:`Run`, what a launch returns).
 * :mod:`mgtutor.doctor`: what the ranks' records of their collectives (torch's Flight

@@ -75,13 +75,6 @@ class Ready:
 
 
 @dataclass(frozen=True)
-class Started:
-    """fn of this call is about to run (it was unpickled)."""
-
-    call: int
-
-
-@dataclass(frozen=True)
 class Progress:
     """A progress report from :func:`mgtutor.progress`."""
 
@@ -123,12 +116,3 @@ class Failed:
     context: str
     when: float
     record: dict[str, Any] | None = None
-
-
-def end_marker(call: int) -> bytes:
-    """The line a rank writes to its stdout and stderr after each call's output.
-
-    Its arrival tells the notebook that it has relayed everything the rank wrote during the
-    call (the pipes deliver in order); the relay never shows it.
-    """
-    return b"\x00mgtutor-end %d" % call

@@ -233,6 +233,7 @@ def start_rank(
     """Start one rank process and return the notebook's handle on it."""
     parent_conn, child_conn = ctx.Pipe(duplex=True)
     pipes = {name: ctx.Pipe(duplex=False) for name in ("stdout", "stderr", "diag")}
+    started = ctx.RawArray("d", 2)
     spec = RankSpec(
         rank=rank,
         env={**common, "RANK": str(rank), "LOCAL_RANK": str(rank)},
@@ -246,10 +247,11 @@ def start_rank(
         backend=backend,
         one_call=one_call,
         parent_pid=_parent_of_ranks(ctx),
+        started=started,
     )
     process = ctx.Process(target=rank_main, args=(spec,), name=f"mgtutor-rank-{rank}", daemon=False)
     output = RankOutput(rank, {k: r for k, (r, _) in pipes.items()})
-    handle = RankHandle(rank, process, parent_conn, output)
+    handle = RankHandle(rank, process, parent_conn, output, started_slot=started)
     try:
         process.start()
     finally:
@@ -325,10 +327,12 @@ def _end_ranks_then_exit(signum: int, frame: Any) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(pid, signal.SIGTERM)
         return
-    try:
+    try:  # the kernel's list: no import, no scan of every process on the machine
         with open(f"/proc/{pid}/task/{pid}/children") as f:
             ranks = [int(p) for p in f.read().split()]
-    except (OSError, ValueError):
+    except OSError:  # no /proc here (macOS): psutil, which the server preloaded
+        ranks = _children_from_psutil(pid)
+    except ValueError:
         ranks = []
     for rank in ranks:
         for kill in (os.killpg, os.kill):  # a rank leads its own group (os.setpgrp)
@@ -337,6 +341,15 @@ def _end_ranks_then_exit(signum: int, frame: Any) -> None:
             except OSError:
                 pass
     os._exit(0)
+
+
+def _children_from_psutil(pid: int) -> list[int]:
+    try:
+        import psutil
+
+        return [child.pid for child in psutil.Process(pid).children()]
+    except Exception:
+        return []
 
 
 def _parent_of_ranks(ctx: Any) -> int | None:

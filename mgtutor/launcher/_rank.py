@@ -16,27 +16,19 @@ import linecache
 import os
 import pickle
 import queue
+import select
 import signal
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from mgtutor.launcher import _channel, _namespace
-from mgtutor.launcher._messages import (
-    Call,
-    Context,
-    Done,
-    Exit,
-    Failed,
-    Hello,
-    Ready,
-    Started,
-    end_marker,
-)
+from mgtutor.launcher._messages import Call, Context, Done, Exit, Failed, Hello, Ready
 from mgtutor.worker import current_backend, current_device, guard_destroy, setup, teardown
 
 
@@ -58,6 +50,9 @@ class RankSpec:
     # The process that forked this rank, whose death must end it (see die_with_parent); None
     # where the forking thread may end before the notebook does.
     parent_pid: int | None = None
+    # Shared with the notebook: [number of the call whose fn started, when]. The notebook
+    # reads it when it checks its limits, so a call's start costs it no message and no wakeup.
+    started: Any = None
 
 
 _keep_alive: list[Any] = []
@@ -103,14 +98,43 @@ def _redirect_output(stdout: Connection, stderr: Connection) -> None:
     )
 
 
-def _listen(conn: Connection, commands: queue.Queue[Any]) -> None:
-    """Pass the notebook's messages to the main thread; end the rank if the notebook is gone.
+def _messages(conn: Connection) -> Iterator[Any]:
+    """The notebook's messages, read by the main thread; the rank ends if the notebook is gone.
 
     End of file on the pipe means the notebook's process died (a kernel restart, kill -9):
     take this rank and its own children down rather than leave orphans holding memory or ports.
-    This thread cannot run while the main thread holds the GIL in native code: on Linux the
-    kernel ends the rank then (:func:`die_with_parent`); on macOS nothing does.
+    While fn runs, a thread notices that too. On Linux it waits for the pipe's hang-up alone
+    (``POLLRDHUP``), so messages go straight to the main thread; elsewhere it reads every
+    message and passes it on (one thread hop per call). Neither thread can run while the main
+    thread holds the GIL in native code: on Linux the kernel ends the rank then
+    (:func:`die_with_parent`); on macOS nothing does.
     """
+    if hasattr(select, "POLLRDHUP"):
+        threading.Thread(target=_wait_for_hangup, args=(conn,), daemon=True).start()
+        return _received(conn)
+    commands: queue.Queue[Any] = queue.Queue()
+    threading.Thread(target=_listen, args=(conn, commands), daemon=True).start()
+    return iter(commands.get, None)
+
+
+def _received(conn: Connection) -> Iterator[Any]:
+    while True:
+        try:
+            yield conn.recv()
+        except (EOFError, OSError):
+            os.killpg(0, signal.SIGKILL)
+
+
+def _wait_for_hangup(conn: Connection) -> None:
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLRDHUP)  # not POLLIN: data is the main thread's
+    while True:
+        events = [e for _, e in poller.poll()]
+        if any(e & (select.POLLRDHUP | select.POLLHUP | select.POLLERR) for e in events):
+            os.killpg(0, signal.SIGKILL)
+
+
+def _listen(conn: Connection, commands: queue.Queue[Any]) -> None:
     try:
         while True:
             commands.put(conn.recv())
@@ -131,17 +155,6 @@ def _flush() -> None:
         try:
             stream.flush()
         except (OSError, ValueError):
-            pass
-
-
-def _mark_end(call: int) -> None:
-    """Write the call's end marker after everything fn printed (see ``end_marker``)."""
-    _flush()
-    marker = end_marker(call) + b"\n"
-    for fd in (1, 2):
-        try:
-            os.write(fd, marker)
-        except OSError:
             pass
 
 
@@ -187,10 +200,13 @@ def _children() -> list[tuple[int, float]]:
     """This rank's live descendants (pid, start time), so the parent can end what fn left.
 
     Taken while the rank still lives: once it exits, a child that made its own session can no
-    longer be found from the parent. On Linux the kernel lists each thread's children in
-    ``/proc``, which costs a fraction of a millisecond; psutil's way reads every process on the
-    machine (15 ms on a busy one), too slow for every call of a pool.
+    longer be found from the parent. Taken after every call, so it must be cheap: a rank
+    without children (most calls) finds out in one ``waitid`` call (a few microseconds);
+    otherwise, on Linux, the kernel lists each thread's children in ``/proc``; psutil's way
+    reads every process on the machine (15 ms on a busy one), too slow for every call.
     """
+    if not _may_have_children():
+        return []
     try:
         import psutil
 
@@ -208,6 +224,19 @@ def _children() -> list[tuple[int, float]]:
         return []
 
 
+def _may_have_children() -> bool:
+    """False when this process has no child at all (``waitid`` says ECHILD; nothing is reaped)."""
+    if not hasattr(os, "waitid"):
+        return True
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
 def _proc_children(root: int) -> list[int] | None:
     """Descendants of ``root`` from ``/proc/PID/task/TID/children``; None where it is missing."""
     if not os.path.exists(f"/proc/{root}/task/{root}/children"):
@@ -222,8 +251,11 @@ def _proc_children(root: int) -> list[int] | None:
             continue
         for tid in threads:
             try:
-                with open(f"/proc/{pid}/task/{tid}/children") as f:
-                    kids = [int(k) for k in f.read().split()]
+                fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY)
+                try:
+                    kids = [int(k) for k in os.read(fd, 65536).split()]
+                finally:
+                    os.close(fd)
             except (OSError, ValueError):
                 continue
             found += kids
@@ -239,19 +271,29 @@ def _dumps_on_cpu(result: Any) -> bytes:
     """
     import io
 
-    import cloudpickle
-
-    torch = sys.modules.get("torch")
-
-    class _CpuPickler(cloudpickle.Pickler):
-        def reducer_override(self, obj: Any) -> Any:
-            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-                return obj.detach().cpu().__reduce_ex__(self.proto)
-            return super().reducer_override(obj)
-
     buffer = io.BytesIO()
-    _CpuPickler(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(result)
+    _cpu_pickler()(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(result)
     return buffer.getvalue()
+
+
+_pickler_class: Any = None
+
+
+def _cpu_pickler() -> Any:
+    """The pickler class of :func:`_dumps_on_cpu`, made once (a class per call cost 20 us)."""
+    global _pickler_class
+    if _pickler_class is None:
+        import cloudpickle
+
+        class _CpuPickler(cloudpickle.Pickler):
+            def reducer_override(self, obj: Any) -> Any:
+                torch = sys.modules.get("torch")
+                if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+                    return obj.detach().cpu().__reduce_ex__(self.proto)
+                return super().reducer_override(obj)
+
+        _pickler_class = _CpuPickler
+    return _pickler_class
 
 
 def _apply_context(context: Context, own: dict[str, str | None]) -> None:
@@ -328,7 +370,9 @@ def _measured_call(fn: Any, args: tuple, kwargs: dict, call: Call, spec: RankSpe
     memory.reset_cuda_peaks()
     timing.collect_records(clear=True)  # a pool's earlier calls are not this call's
     started = time.perf_counter()
-    _channel.send(Started(call.call))
+    if spec.started is not None:
+        spec.started[1] = started
+        spec.started[0] = call.call
     _in_call.set()
     try:
         result = fn(*args, **kwargs)
@@ -390,8 +434,7 @@ def rank_main(spec: RankSpec) -> None:
     faulthandler.register(signal.SIGUSR1, file=spec.diag.fileno(), all_threads=True)
     _keep_alive.append(spec.diag)
     _channel.attach(spec.conn)
-    commands: queue.Queue[Any] = queue.Queue()
-    threading.Thread(target=_listen, args=(spec.conn, commands), daemon=True).start()
+    messages = _messages(spec.conn)
     _channel.send(Hello(os.getpid(), threading.main_thread().ident or 0))
     _apply_context(spec.context, spec.env)
     guard_destroy()
@@ -404,12 +447,11 @@ def rank_main(spec: RankSpec) -> None:
             _flush()
             os._exit(1)
     _channel.send(Ready())
-    while True:
-        message = commands.get()
+    for message in messages:
         if isinstance(message, Exit):
             break
         answer = _run_call(message, spec)
-        _mark_end(message.call)
+        _flush()  # all fn printed is in the pipes before the answer (see _relay)
         _channel.send(answer)
         if isinstance(answer, Failed) and spec.one_call:
             _flush()

@@ -4,23 +4,27 @@ A rank's stdout and stderr are pipes to the notebook's process (at the descripto
 C++ and NCCL output come too). :class:`RankOutput` cuts what arrives into lines and writes each
 as ``[rank r] ...`` to the notebook's own stdout or stderr, so lines of two ranks never mix and
 output reaches the cell even under nbval (ipykernel does not forward a child's output there).
-It also keeps the rank's faulthandler dumps (the ``diag`` pipe) and notices the marker a rank
-writes after each call, which tells that a call's output has all been relayed.
+It also keeps the rank's faulthandler dumps (the ``diag`` pipe). A rank flushes its output
+before it answers a call, so when the answer arrives everything the rank wrote during the call
+is already in the pipes (a pipe's write is complete when it returns): :meth:`RankOutput.drain`
+relays it then, without waiting for more.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
-from mgtutor.launcher._messages import end_marker
-
 # Lines drawn with a carriage return (tqdm) are shown at most this often per rank and stream.
 _REDRAW_S = 0.5
+# At the end of a call, at most this many reads per stream: what a rank's other threads keep
+# writing after it answered is relayed by the next waits instead of holding the answer back.
+_DRAIN_READS = 16
 STREAMS = ("stdout", "stderr")
 
 
@@ -33,7 +37,7 @@ class RankOutput:
         pipes: "stdout", "stderr" and "diag" pipe ends (read only).
         open: the names of the pipes not yet at end of file.
         diag: everything read from the stack-dump pipe.
-        ended: for each stream, the last call whose end marker came through it.
+        ended: for each stream, the last call whose output has all been relayed.
         sink: where each relayed line goes instead of the cell (``sink(rank, stream, text)``),
             e.g. a tab.
     """
@@ -44,6 +48,7 @@ class RankOutput:
     diag: bytearray = field(default_factory=bytearray)
     ended: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STREAMS, 0))
     sink: Callable[[int, str, str], None] | None = None
+    written: bool = False  # a line was relayed since take_written() last asked
     _partial: dict[str, bytes] = field(default_factory=dict)
     _redrawn: dict[str, str] = field(default_factory=dict)
     _redrawn_at: dict[str, float] = field(default_factory=dict)
@@ -73,13 +78,6 @@ class RankOutput:
             lines, rest = ([*lines, rest] if rest else lines), b""
             self.open.discard(name)
         for line in lines:
-            if b"\x00mgtutor-end " in line:
-                before, _, after = line.rpartition(b"\x00mgtutor-end ")
-                if after.isdigit() and b"\x00mgtutor-end " + after == end_marker(int(after)):
-                    self.ended[name] = int(after)
-                    if not before:
-                        continue
-                    line = before  # fn's last line had no newline; the marker ended it
             text = _as_drawn(line)
             if self._redrawn.pop(name, None) == text:
                 continue  # its last drawing is already on screen
@@ -99,7 +97,32 @@ class RankOutput:
                 self._redrawn_at[name] = now
         self._partial[name] = rest
 
+    def drain(self, call: int) -> None:
+        """Relay what the rank wrote up to its answer to ``call``, which has just arrived.
+
+        The rank flushed its output before answering, so all of it is in the pipes now: read
+        what is there (without waiting), end a last line that had no newline, and mark
+        ``call``'s output as relayed.
+        """
+        for name in STREAMS:
+            for _ in range(_DRAIN_READS):
+                if name not in self.open or not _readable(self.pipes[name]):
+                    break
+                self.read(name)
+            rest = self._partial.pop(name, b"")
+            if rest:
+                text = _as_drawn(rest)
+                if self._redrawn.pop(name, None) != text:
+                    self._write(name, text)
+            self.ended[name] = call
+
+    def take_written(self) -> bool:
+        """True if a line was relayed since the last time this was asked."""
+        written, self.written = self.written, False
+        return written
+
     def _write(self, name: str, text: str) -> None:
+        self.written = True
         if self.sink is not None:
             self.sink(self.rank, name, text)
             return
@@ -111,6 +134,13 @@ class RankOutput:
         for conn in self.pipes.values():
             conn.close()
         self.open.clear()
+
+
+def _readable(conn: Connection) -> bool:
+    try:
+        return bool(select.select([conn.fileno()], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False
 
 
 def _as_drawn(line: bytes) -> str:

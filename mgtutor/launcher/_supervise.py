@@ -17,6 +17,8 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import select
+import selectors
 import signal
 import sys
 import time
@@ -27,7 +29,7 @@ from typing import Any
 
 from mgtutor.errors import WorkerError, WorkerTimeout
 from mgtutor.launcher import _cleanup
-from mgtutor.launcher._messages import Done, Failed, Hello, Progress, Ready, Started
+from mgtutor.launcher._messages import Done, Failed, Hello, Progress, Ready
 from mgtutor.launcher._relay import RankOutput
 from mgtutor.measure.progress import ProgressBoard
 
@@ -104,11 +106,19 @@ class RankHandle:
     exitcode: int | None = None
     conn_open: bool = True
     closed: bool = False
+    # Shared with the rank: [the call whose fn started, when] (see RankSpec.started).
+    started_slot: Any = None
 
     def begin(self, call: int) -> None:
         """Forget the last call's answer: ``call`` has been sent."""
         self.call, self.started = call, False
         self.done, self.error, self.failed_at = None, None, None
+
+    def check_started(self) -> bool:
+        """True once fn of this call has started (the rank says so in the shared slot)."""
+        if not self.started and self.call and self.started_slot is not None:
+            self.started = int(self.started_slot[0]) == self.call
+        return self.started
 
     @property
     def answered(self) -> bool:
@@ -145,6 +155,11 @@ class Supervisor:
         self.stopped = False  # the ranks were stopped after a fault
         # rank -> the file its doctor responder writes its record to (mgtutor.doctor).
         self.dump_paths: dict[int, str] = {}
+        # The selector of _pump, kept while the set it watches stays the same (building one
+        # registers every pipe again at every wait).
+        self._selector: selectors.BaseSelector | None = None
+        self._selected: set[Any] = set()
+        self._printed = False  # a Progress message printed a line since the last flush
 
     def add(self, handle: RankHandle) -> None:
         """Watch one more started rank."""
@@ -158,11 +173,22 @@ class Supervisor:
         except (OSError, ValueError):
             return False
 
+    def send_pickled(self, h: RankHandle, message: bytes) -> bool:
+        """:meth:`send` for a message pickled once for every rank (``ForkingPickler.dumps``)."""
+        try:
+            h.conn.send_bytes(message)
+            return True
+        except (OSError, ValueError):
+            return False
+
     def alive(self) -> bool:
         """True while every rank process runs and none was stopped."""
-        return not self.stopped and all(
-            h.process.pid is not None and h.process.is_alive() for h in self.handles
-        )
+        if self.stopped or any(h.process.pid is None for h in self.handles):
+            return False
+        try:  # one look at every rank's exit, not a wait each (pool.run asks at every call)
+            return not _ended([h.process.sentinel for h in self.handles])
+        except ValueError:  # a process already closed
+            return False
 
     # --- waiting --------------------------------------------------------------------------
 
@@ -221,7 +247,7 @@ class Supervisor:
                     board.finish(None)
                     return
                 now = time.monotonic()
-                if not all_started and all(h.started for h in targets):
+                if not all_started and all(h.check_started() for h in targets):
                     all_started = True
                     deadline = None if timeout is None else now + timeout
                 if deadline is not None and now > deadline:
@@ -254,16 +280,31 @@ class Supervisor:
         if not watched:
             time.sleep(timeout)
             return False
-        ready = wait(list(watched), timeout)
-        for obj in ready:
+        ready = self._wait(watched, timeout)
+        # Output first: an answer then relays the rest of its rank's output (drain), after
+        # which a pipe this wait saw readable may be empty.
+        for obj in sorted(ready, key=lambda o: watched[o][1] == "conn"):
             handle, what = watched[obj]
             if what == "conn":
                 self._receive(handle)
             elif what != "exit":
                 handle.output.read(what)
-        sys.stdout.flush()
-        sys.stderr.flush()
+        # Only after something was printed: in a kernel, each flush waits for ipykernel's IO
+        # thread, even with nothing to send.
+        if any([h.output.take_written() for h in self.handles]) or self._printed:
+            self._printed = False
+            sys.stdout.flush()
+            sys.stderr.flush()
         return bool(ready)
+
+    def _wait(self, watched: dict[Any, tuple[RankHandle, str]], timeout: float) -> list[Any]:
+        """``multiprocessing.connection.wait`` on ``watched``, with a selector kept for reuse."""
+        if self._selector is None or self._selected != watched.keys():
+            self._selector = _Selector()
+            self._selected = set(watched)
+            for obj in watched:
+                self._selector.register(obj, selectors.EVENT_READ)
+        return [key.fileobj for key, _ in self._selector.select(timeout)]
 
     def _receive(self, h: RankHandle) -> None:
         try:
@@ -274,12 +315,13 @@ class Supervisor:
         if isinstance(message, Progress):
             if self.board is not None:
                 self.board.update(h.rank, message.step, message.total, message.desc)
-        elif isinstance(message, Started) and message.call == h.call:
-            h.started = True
+                self._printed = True
         elif isinstance(message, Done) and message.call == h.call:
+            h.output.drain(message.call)
             h.done = message
             h.children.update(message.record.get("children", []))
         elif isinstance(message, Failed) and message.call in (h.call, 0):
+            h.output.drain(message.call)
             h.error = message
             h.failed_at = message.when
         elif isinstance(message, Hello):
@@ -288,8 +330,13 @@ class Supervisor:
             h.ready = True
 
     def _reap(self) -> None:
-        for h in self.handles:
-            if h.exitcode is not None or h.process.is_alive():
+        running = [h for h in self.handles if h.exitcode is None]
+        if not running:
+            return
+        # One look at every rank's exit (a forkserver rank's is_alive is a wait of its own).
+        ended = _ended([h.process.sentinel for h in running])
+        for h in running:
+            if h.process.sentinel not in ended or h.process.is_alive():
                 continue
             h.process.join(0)
             h.exitcode = h.process.exitcode
@@ -503,7 +550,7 @@ class Supervisor:
         names = ", ".join(str(h.rank) for h in running) or "none"
         if starting:
             waiting = ", ".join(
-                str(h.rank) for h in targets if not (h.started or (h.ready and h.call == 0))
+                str(h.rank) for h in targets if not (h.check_started() or (h.ready and h.call == 0))
             )
             summary = (
                 f"Ranks {waiting} had not started after start_timeout={start_timeout:g} s "
@@ -592,7 +639,7 @@ class Supervisor:
             self._reap()
 
     def _wait_relayed(self, targets: list[RankHandle]) -> None:
-        """Relay until each target's output of its call reached its end marker, or a grace."""
+        """Relay until each target's output of its call has been relayed, or a grace."""
         until = time.monotonic() + _DRAIN_GRACE_S
         while time.monotonic() < until and not all(h.output.relayed(h.call) for h in targets):
             self._pump(0.05)
@@ -678,6 +725,19 @@ class Supervisor:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+_Selector = getattr(selectors, "PollSelector", selectors.SelectSelector)  # as multiprocessing
+
+
+def _ended(sentinels: list[int]) -> list[int]:
+    """The process sentinels that are readable now (their processes ended), without waiting."""
+    if not hasattr(select, "poll"):
+        return wait(sentinels, 0)
+    poller = select.poll()
+    for fd in sentinels:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(0)]
 
 
 def _with_note(error: Failed, note: str) -> Failed:

@@ -31,6 +31,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable, Sequence
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from mgtutor.doctor import DUMP_PATH_ENV
@@ -154,7 +155,7 @@ class Pool:
         self.started_at = time.perf_counter()
         context = _send.context_now()
         # What the ranks already have: a call sends only what changed (cheaper round trips).
-        self._context_sent = context
+        self._context_key = _send.context_key()
         self._group_environ = self._group_environ_said = _send.group_variables(context.environ)
         self._sources_sent: set[str] = set()
         try:
@@ -279,29 +280,20 @@ class Pool:
         assert supervisor is not None
         handles = [supervisor.handles[r] for r in targets]
         self._calls += 1
-        sources = {
-            name: lines
-            for name, lines in _send.cell_sources().items()
-            if name not in self._sources_sent
-        }
+        sources = _send.cell_sources(sent=self._sources_sent)
         self._sources_sent.update(sources)
-        context = _send.context_now()
-        changed = context != self._context_sent
-        self._context_sent = context
-        if changed:
+        key = _send.context_key()
+        context = _send.context_now() if key != self._context_key else None
+        self._context_key = key
+        if context is not None:
             self._say_group_variables_changed(context.environ)
-        call = Call(
-            self._calls,
-            payload,
-            sources,
-            context if changed else None,
-            in_namespace=not self._one_call,
-        )
+        call = Call(self._calls, payload, sources, context, in_namespace=not self._one_call)
+        pickled = ForkingPickler.dumps(call)  # once for every rank
         started = self.started_at if self._one_call else time.perf_counter()
         for h in handles:
             h.begin(call.call)
             h.output.sink = self._sink
-            if not supervisor.send(h, call):
+            if not supervisor.send_pickled(h, pickled):
                 h.failed_at = time.perf_counter()  # its pipe closed: the process has gone
         board = ProgressBoard(self.world_size, quiet)
         supervisor.run_call(
