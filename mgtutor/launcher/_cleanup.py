@@ -15,7 +15,7 @@ from multiprocessing.connection import wait
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mgtutor.launcher._supervise import RankHandle
+    from mgtutor.launcher._handle import RankHandle
 
 _TERM_GRACE_S = 1.0
 
@@ -213,3 +213,107 @@ def _still_running(process: Any) -> bool:
 def _first_line(text: str) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line if len(line) <= 120 else line[:117] + "..."
+
+
+# A rank told to exit gets this long before it is stopped (a non-daemon thread or a DataLoader
+# worker can keep its process alive after fn returned). Past it, a process that is still using
+# CPU (interpreter shutdown on a loaded machine, an atexit handler) gets more time, up to the
+# cap, and is stopped once it has used none for _EXIT_IDLE_S.
+_EXIT_GRACE_S = 5.0
+_EXIT_IDLE_S = 2.0
+_EXIT_GRACE_MAX_S = 60.0
+
+
+def stop_lingering(handles: list[RankHandle]) -> None:
+    """Stop a rank that was asked to exit but did not; say why that happens."""
+    now = time.monotonic()
+    for h in handles:
+        if h.exitcode is not None or h.exit_asked_at is None:
+            continue
+        waited = now - h.exit_asked_at
+        busy = waited < _EXIT_GRACE_MAX_S and still_busy(h, now, _EXIT_IDLE_S)
+        if waited < _EXIT_GRACE_S or busy:
+            continue
+        members = group_members(h.process.pid)
+        signal_rank(h, signal.SIGKILL)
+        h.process.join(2)
+        h.exitcode = h.process.exitcode
+        h.lingered = True
+        others = len([p for p in members if p != h.process.pid])
+        extra = f" and {others} process(es) it had started" if others else ""
+        print(
+            f"mgtutor: rank {h.rank} returned, but its process was still running "
+            f"{waited:.0f} s later (a non-daemon thread, or a DataLoader or other "
+            f"child process that was not shut down); it was stopped{extra}. Its result is "
+            f"kept. End threads (daemon=True, or join them) and child processes before fn "
+            f"returns.",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def live_children() -> list[tuple[int, float]]:
+    """This rank's live descendants (pid, start time), so the parent can end what fn left.
+
+    Taken while the rank still lives: once it exits, a child that made its own session can no
+    longer be found from the parent. Taken after every call, so it must be cheap: a rank
+    without children (most calls) finds out in one ``waitid`` call (a few microseconds);
+    otherwise, on Linux, the kernel lists each thread's children in ``/proc``; psutil's way
+    reads every process on the machine (15 ms on a busy one), too slow for every call.
+    """
+    if not _may_have_children():
+        return []
+    try:
+        import psutil
+
+        pids = proc_children(os.getpid())
+        if pids is None:
+            return [(p.pid, p.create_time()) for p in psutil.Process().children(recursive=True)]
+        found = []
+        for pid in pids:
+            try:
+                found.append((pid, psutil.Process(pid).create_time()))
+            except psutil.Error:
+                pass
+        return found
+    except Exception:
+        return []
+
+
+def _may_have_children() -> bool:
+    """False when this process has no child at all (``waitid`` says ECHILD; nothing is reaped)."""
+    if not hasattr(os, "waitid"):
+        return True
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return False
+    except OSError:
+        pass
+    return True
+
+
+def proc_children(root: int) -> list[int] | None:
+    """Descendants of ``root`` from ``/proc/PID/task/TID/children``; None where it is missing."""
+    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
+        return None
+    found: list[int] = []
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        try:
+            threads = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in threads:
+            try:
+                fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY)
+                try:
+                    kids = [int(k) for k in os.read(fd, 65536).split()]
+                finally:
+                    os.close(fd)
+            except (OSError, ValueError):
+                continue
+            found += kids
+            todo += kids
+    return found

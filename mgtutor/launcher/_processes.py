@@ -18,10 +18,10 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._messages import Context
 from mgtutor.launcher._rank import RankSpec, die_with_parent, rank_main
 from mgtutor.launcher._relay import RankOutput
-from mgtutor.launcher._supervise import RankHandle
 from mgtutor.worker import BACKENDS
 
 START_METHODS = ("forkserver", "spawn")

@@ -14,7 +14,6 @@ import atexit
 import faulthandler
 import linecache
 import os
-import pickle
 import queue
 import select
 import signal
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from mgtutor.launcher import _channel, _namespace
+from mgtutor.launcher import _channel, _cleanup, _namespace, _send
 from mgtutor.launcher._messages import Call, Context, Done, Exit, Failed, Hello, Ready
 from mgtutor.worker import current_backend, current_device, guard_destroy, setup, teardown
 
@@ -196,106 +195,6 @@ def _own_record() -> dict[str, Any] | None:
         return None
 
 
-def _children() -> list[tuple[int, float]]:
-    """This rank's live descendants (pid, start time), so the parent can end what fn left.
-
-    Taken while the rank still lives: once it exits, a child that made its own session can no
-    longer be found from the parent. Taken after every call, so it must be cheap: a rank
-    without children (most calls) finds out in one ``waitid`` call (a few microseconds);
-    otherwise, on Linux, the kernel lists each thread's children in ``/proc``; psutil's way
-    reads every process on the machine (15 ms on a busy one), too slow for every call.
-    """
-    if not _may_have_children():
-        return []
-    try:
-        import psutil
-
-        pids = _proc_children(os.getpid())
-        if pids is None:
-            return [(p.pid, p.create_time()) for p in psutil.Process().children(recursive=True)]
-        found = []
-        for pid in pids:
-            try:
-                found.append((pid, psutil.Process(pid).create_time()))
-            except psutil.Error:
-                pass
-        return found
-    except Exception:
-        return []
-
-
-def _may_have_children() -> bool:
-    """False when this process has no child at all (``waitid`` says ECHILD; nothing is reaped)."""
-    if not hasattr(os, "waitid"):
-        return True
-    try:
-        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-    except ChildProcessError:
-        return False
-    except OSError:
-        pass
-    return True
-
-
-def _proc_children(root: int) -> list[int] | None:
-    """Descendants of ``root`` from ``/proc/PID/task/TID/children``; None where it is missing."""
-    if not os.path.exists(f"/proc/{root}/task/{root}/children"):
-        return None
-    found: list[int] = []
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        try:
-            threads = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in threads:
-            try:
-                fd = os.open(f"/proc/{pid}/task/{tid}/children", os.O_RDONLY)
-                try:
-                    kids = [int(k) for k in os.read(fd, 65536).split()]
-                finally:
-                    os.close(fd)
-            except (OSError, ValueError):
-                continue
-            found += kids
-            todo += kids
-    return found
-
-
-def _dumps_on_cpu(result: Any) -> bytes:
-    """Pickle fn's result with every tensor moved to the CPU.
-
-    A CUDA tensor pickled as it is would be rebuilt on ``cuda:r`` in the notebook, which
-    initializes CUDA in the kernel (or fails on a machine without that GPU).
-    """
-    import io
-
-    buffer = io.BytesIO()
-    _cpu_pickler()(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(result)
-    return buffer.getvalue()
-
-
-_pickler_class: Any = None
-
-
-def _cpu_pickler() -> Any:
-    """The pickler class of :func:`_dumps_on_cpu`, made once (a class per call cost 20 us)."""
-    global _pickler_class
-    if _pickler_class is None:
-        import cloudpickle
-
-        class _CpuPickler(cloudpickle.Pickler):
-            def reducer_override(self, obj: Any) -> Any:
-                torch = sys.modules.get("torch")
-                if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-                    return obj.detach().cpu().__reduce_ex__(self.proto)
-                return super().reducer_override(obj)
-
-        _pickler_class = _CpuPickler
-    return _pickler_class
-
-
 def _apply_context(context: Context, own: dict[str, str | None]) -> None:
     """Give this rank the notebook's environment, folder and import path, then its own."""
     os.environ.clear()
@@ -397,7 +296,7 @@ def _measured_call(fn: Any, args: tuple, kwargs: dict, call: Call, spec: RankSpe
             "memory": memory.measure(current_device(), rss_start, peak_was_reset),
             "breakdown": _tracked_breakdown(),
             "timings": timing.collect_records(clear=True),
-            "children": _children(),
+            "children": _cleanup.live_children(),
             "kept": _namespace.kept_names(),
         }
         if spec.one_call:
@@ -405,7 +304,7 @@ def _measured_call(fn: Any, args: tuple, kwargs: dict, call: Call, spec: RankSpe
             # with the answer (for the doctor, should a peer hang), then it leaves the group.
             record["flight_record"] = _own_record()
             teardown()
-        blob = _dumps_on_cpu(result)
+        blob = _send.dumps_on_cpu(result)
     except BaseException as exc:
         return _failure(exc, "finished, but its result could not be sent back", call.call)
     return Done(call.call, blob, record)

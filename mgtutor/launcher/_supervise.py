@@ -1,10 +1,10 @@
 """The notebook's watch over its ranks: wait for their answers, notice faults, stop them.
 
-One loop in the calling thread waits on every rank's message pipe, output pipes and process
-handle at once (:mod:`._relay` prints the output as it comes). A call ends when every
-rank it went to has answered and its output has all been relayed. When a rank fails, the call
-runs past its timeout, or the cell is interrupted, the :class:`Supervisor` stops what must stop
-(:mod:`mgtutor.launcher._cleanup`) and raises an error that says what happened and what was stopped.
+One loop in the calling thread listens to every rank at once (:class:`~._watch.RankWatch`, on
+which the :class:`Supervisor` is built). A call ends when every rank it went to has answered
+and its output has all been relayed. When a rank fails, the call runs past its timeout, or the
+cell is interrupted, the :class:`Supervisor` stops what must stop (:mod:`._cleanup`) and raises
+an error that says what happened and what was stopped (worded by :mod:`._report`).
 
 A pool (``keep=True``) tries to keep its ranks: when a rank raises and the others finish the
 call, the ranks stay; when the others do not finish (they wait in a collective the failed rank
@@ -14,134 +14,30 @@ ones on its next call. A launch (``keep=False``) stops every rank at the first f
 
 from __future__ import annotations
 
-import linecache
 import os
-import re
-import select
-import selectors
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
 from typing import Any
 
-from mgtutor.errors import WorkerError, WorkerTimeout
-from mgtutor.launcher import _cleanup
-from mgtutor.launcher._messages import Done, Failed, Hello, Progress, Ready
-from mgtutor.launcher._relay import RankOutput
+from mgtutor.errors import WorkerTimeout
+from mgtutor.launcher import _cleanup, _report
+from mgtutor.launcher._handle import RankHandle
+from mgtutor.launcher._report import Wording
+from mgtutor.launcher._watch import _POLL_S, RankWatch, _ended
 from mgtutor.measure.progress import ProgressBoard
 
-_POLL_S = 0.1
 _DRAIN_GRACE_S = 1.0
 _STACK_WAIT_S = 2.0
-_MAX_FRAMES = 16
 # After one rank of a pool raised, the others get this long to end the same call before the
 # pool concludes they wait for it in a collective and stops every rank.
 _PEER_GRACE_S = 3.0
 # After Ctrl+C, a pool's ranks get this long to stop fn (KeyboardInterrupt in each) before
 # they are stopped.
 _INTERRUPT_GRACE_S = 3.0
-# A rank told to exit gets this long before it is stopped (a non-daemon thread or a DataLoader
-# worker can keep its process alive after fn returned). Past it, a process that is still using
-# CPU (interpreter shutdown on a loaded machine, an atexit handler) gets more time, up to the
-# cap, and is stopped once it has used none for _EXIT_IDLE_S.
-_EXIT_GRACE_S = 5.0
-_EXIT_IDLE_S = 2.0
-_EXIT_GRACE_MAX_S = 60.0
-
-_SIGNAL_HINTS = {
-    "SIGKILL": (
-        " SIGKILL is what the Linux out-of-memory killer sends: if nobody killed it by hand, the "
-        "rank probably ran out of memory (check `dmesg`, or lower the batch size)."
-    ),
-    "SIGSEGV": " A crash in native code (a C++/CUDA extension, or memory corruption).",
-    "SIGABRT": (
-        " SIGABRT usually comes from native code giving up: on GPUs, most often NCCL's watchdog "
-        "ending the process after a collective timed out or another rank failed (look for "
-        "'Watchdog caught collective operation timeout' above). Set TORCH_NCCL_DUMP_ON_TIMEOUT=1 "
-        "to have each rank dump its last collectives (torch's Flight Recorder) and read the "
-        "dumps with torchfrtrace."
-    ),
-}
-
-# torch's message when a collective or a rank query runs before init_process_group (torch 2.4
-# to 2.14, distributed_c10d._get_default_group).
-_NO_GROUP = "Default process group has not been initialized"
-_NO_GROUP_HINT = (
-    " This rank used torch.distributed before joining a process group: call mgtutor.setup() "
-    '(or dist.init_process_group("gloo")) at the start of fn, before any collective or '
-    "get_rank()."
-)
-
-_GLOO_ABORT_HINT = (
-    " On gloo, SIGABRT is gloo giving up: it ends a rank that receives more bytes than its "
-    "tensor holds ('Received data size doesn't match expected size' above), when the ranks "
-    "passed tensors of different sizes to the same collective."
-)
 
 
-@dataclass
-class RankHandle:
-    """The notebook's view of one rank process."""
-
-    rank: int
-    process: BaseProcess
-    conn: Connection
-    output: RankOutput
-    main_ident: int | None = None
-    ready: bool = False
-    # The call this rank is in, and how far it got.
-    call: int = 0
-    started: bool = False
-    done: Done | None = None
-    error: Failed | None = None
-    failed_at: float | None = None
-    # Processes fn started, as the rank reported them (pid: start time).
-    children: dict[int, float] = field(default_factory=dict)
-    exit_asked_at: float | None = None
-    exit_cpu: tuple[float, float] | None = None  # (CPU seconds, when they last grew)
-    lingered: bool = False
-    exitcode: int | None = None
-    conn_open: bool = True
-    closed: bool = False
-    # Shared with the rank: [the call whose fn started, when] (see RankSpec.started).
-    started_slot: Any = None
-
-    def begin(self, call: int) -> None:
-        """Forget the last call's answer: ``call`` has been sent."""
-        self.call, self.started = call, False
-        self.done, self.error, self.failed_at = None, None, None
-
-    def check_started(self) -> bool:
-        """True once fn of this call has started (the rank says so in the shared slot)."""
-        if not self.started and self.call and self.started_slot is not None:
-            self.started = int(self.started_slot[0]) == self.call
-        return self.started
-
-    @property
-    def answered(self) -> bool:
-        """True when the rank ended its call, one way or the other."""
-        return self.done is not None or self.failed_at is not None
-
-
-@dataclass(frozen=True)
-class Wording:
-    """How a supervisor's errors name what ran and whose ranks were stopped.
-
-    Attributes:
-        work: what ran, at the start of a sentence ("fn"; "The %%ddp cell").
-        owner: whose processes are gone ("No process of this launch is left running").
-        note: added to every error that stopped the ranks ("" for a launch).
-    """
-
-    work: str = "fn"
-    owner: str = "this launch"
-    note: str = ""
-
-
-class Supervisor:
+class Supervisor(RankWatch):
     """Watches the ranks of one pool (or one launch) and stops them when it must.
 
     Args:
@@ -149,37 +45,11 @@ class Supervisor:
     """
 
     def __init__(self, wording: Wording | None = None) -> None:
-        self.handles: list[RankHandle] = []
-        self.board: ProgressBoard | None = None
+        super().__init__()
         self.wording = wording or Wording()
         self.stopped = False  # the ranks were stopped after a fault
         # rank -> the file its doctor responder writes its record to (mgtutor.doctor).
         self.dump_paths: dict[int, str] = {}
-        # The selector of _pump, kept while the set it watches stays the same (building one
-        # registers every pipe again at every wait).
-        self._selector: selectors.BaseSelector | None = None
-        self._selected: set[Any] = set()
-        self._printed = False  # a Progress message printed a line since the last flush
-
-    def add(self, handle: RankHandle) -> None:
-        """Watch one more started rank."""
-        self.handles.append(handle)
-
-    def send(self, h: RankHandle, message: Any) -> bool:
-        """Send a message to a rank; False when its pipe is closed (the rank has gone)."""
-        try:
-            h.conn.send(message)
-            return True
-        except (OSError, ValueError):
-            return False
-
-    def send_pickled(self, h: RankHandle, message: bytes) -> bool:
-        """:meth:`send` for a message pickled once for every rank (``ForkingPickler.dumps``)."""
-        try:
-            h.conn.send_bytes(message)
-            return True
-        except (OSError, ValueError):
-            return False
 
     def alive(self) -> bool:
         """True while every rank process runs and none was stopped."""
@@ -261,147 +131,7 @@ class Supervisor:
                 self._stop_on_interrupt()
             raise
 
-    def _watched(self) -> dict[Any, tuple[RankHandle, str]]:
-        watched: dict[Any, tuple[RankHandle, str]] = {}
-        for h in self.handles:
-            if h.closed:
-                continue
-            if h.conn_open:
-                watched[h.conn] = (h, "conn")
-            for name in h.output.open:
-                watched[h.output.pipes[name]] = (h, name)
-            if h.exitcode is None:
-                watched[h.process.sentinel] = (h, "exit")
-        return watched
-
-    def _pump(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for anything from the ranks and handle it; True if any came."""
-        watched = self._watched()
-        if not watched:
-            time.sleep(timeout)
-            return False
-        ready = self._wait(watched, timeout)
-        # Output first: an answer then relays the rest of its rank's output (drain), after
-        # which a pipe this wait saw readable may be empty.
-        for obj in sorted(ready, key=lambda o: watched[o][1] == "conn"):
-            handle, what = watched[obj]
-            if what == "conn":
-                self._receive(handle)
-            elif what != "exit":
-                handle.output.read(what)
-        # Only after something was printed: in a kernel, each flush waits for ipykernel's IO
-        # thread, even with nothing to send.
-        if any([h.output.take_written() for h in self.handles]) or self._printed:
-            self._printed = False
-            sys.stdout.flush()
-            sys.stderr.flush()
-        return bool(ready)
-
-    def _wait(self, watched: dict[Any, tuple[RankHandle, str]], timeout: float) -> list[Any]:
-        """``multiprocessing.connection.wait`` on ``watched``, with a selector kept for reuse."""
-        if self._selector is None or self._selected != watched.keys():
-            self._selector = _Selector()
-            self._selected = set(watched)
-            for obj in watched:
-                self._selector.register(obj, selectors.EVENT_READ)
-        return [key.fileobj for key, _ in self._selector.select(timeout)]
-
-    def _receive(self, h: RankHandle) -> None:
-        try:
-            message = h.conn.recv()
-        except (EOFError, OSError):
-            h.conn_open = False
-            return
-        if isinstance(message, Progress):
-            if self.board is not None:
-                self.board.update(h.rank, message.step, message.total, message.desc)
-                self._printed = True
-        elif isinstance(message, Done) and message.call == h.call:
-            h.output.drain(message.call)
-            h.done = message
-            h.children.update(message.record.get("children", []))
-        elif isinstance(message, Failed) and message.call in (h.call, 0):
-            h.output.drain(message.call)
-            h.error = message
-            h.failed_at = message.when
-        elif isinstance(message, Hello):
-            h.main_ident = message.main_ident
-        elif isinstance(message, Ready):
-            h.ready = True
-
-    def _reap(self) -> None:
-        running = [h for h in self.handles if h.exitcode is None]
-        if not running:
-            return
-        # One look at every rank's exit (a forkserver rank's is_alive is a wait of its own).
-        ended = _ended([h.process.sentinel for h in running])
-        for h in running:
-            if h.process.sentinel not in ended or h.process.is_alive():
-                continue
-            h.process.join(0)
-            h.exitcode = h.process.exitcode
-            while h.conn_open and self._poll(h.conn):
-                self._receive(h)
-            if h.failed_at is None and h.exit_asked_at is None and h.done is None:
-                h.failed_at = time.perf_counter()  # it ended without answering
-
-    @staticmethod
-    def _poll(conn: Connection) -> bool:
-        try:
-            return conn.poll(0)
-        except (EOFError, OSError):
-            return False
-
     # --- faults -----------------------------------------------------------------------------
-
-    def _diagnose(self) -> Any:
-        """Ask every live rank for its record of collectives; what the doctor makes of them.
-
-        Ranks that failed sent their record with the failure, a launch's ranks that returned
-        sent it with their answer, and a rank that native code aborted wrote it as it died.
-        Returns None when there is nothing to compare (no rank made a process group).
-        """
-        from mgtutor import doctor
-
-        alive = {
-            h.rank: h.process.pid
-            for h in self.handles
-            if h.process.pid is not None and h.process.is_alive() and h.rank in self.dump_paths
-        }
-        try:
-            records: dict[int, Any] = doctor.request_dumps(alive, self.dump_paths, timeout=1.0)
-        except OSError:
-            records = {}
-        raised = {}
-        for h in self.handles:
-            if h.error is not None and h.error.record is not None:
-                # Taken as it failed, where it failed: the rank may be elsewhere by now.
-                records[h.rank] = h.error.record
-            if h.error is not None and h.error.context == "raised":
-                message = (h.error.message.splitlines() or [""])[0]
-                short = message if len(message) <= 120 else message[:117] + "..."
-                raised[h.rank] = f"{h.error.exc_type.rsplit('.', 1)[-1]}: {short}".rstrip(": ")
-            sent = h.done.record.get("flight_record") if h.done is not None else None
-            if sent is not None:
-                records.setdefault(h.rank, sent)  # a launch's rank that answered and exited
-        dead = {r: p for r, p in self.dump_paths.items() if r not in records}
-        records.update(doctor.read_final_records(dead))
-        traced = {r: rec for r, rec in records.items() if rec.get("trace") is not None}
-        no_group = all(not (rec.get("trace") or {}).get("entries") for rec in traced.values())
-        in_call = any(rec.get("call") for rec in records.values())  # send/recv: not recorded
-        if not records or (traced and no_group and not in_call):
-            return None  # no collective was ever issued: nothing to say
-        finished = [h.rank for h in self.handles if h.done is not None]
-        try:
-            return doctor.diagnose(
-                records, finished=finished, raised=raised, world_size=len(self.handles)
-            )
-        except Exception as exc:  # the doctor must never hide the error it explains
-            return doctor.Diagnosis(
-                f"the doctor failed on these records ({type(exc).__name__}: {exc})",
-                kind="no_recorder",
-                records=records,
-            )
 
     def _stop(self, primary: RankHandle | None = None) -> str:
         cleanup = _cleanup.stop_all(self.handles, primary, self.wording.owner)
@@ -427,13 +157,13 @@ class Supervisor:
             if kept is not None:
                 if self.board is not None:
                     self.board.finish(first.rank)
-                raise self._describe(first, kept, diagnosis)
-        diagnosis = self._diagnose()
+                raise _report.describe(first, kept, diagnosis)
+        diagnosis = _report.diagnose(self.handles, self.dump_paths)
         cleanup = self._stop(primary=first)
         self._drain(_DRAIN_GRACE_S)
         if self.board is not None:
             self.board.finish(first.rank)
-        raise self._describe(first, cleanup, diagnosis)
+        raise _report.describe(first, cleanup, diagnosis)
 
     def _settle_after_error(
         self, first: RankHandle, targets: list[RankHandle]
@@ -449,7 +179,7 @@ class Supervisor:
             return None, None  # one died meanwhile
         stuck = [h for h in targets if not h.answered]
         if stuck:
-            diagnosis = self._diagnose()
+            diagnosis = _report.diagnose(self.handles, self.dump_paths)
             stacks = self._stacks(stuck)
             names = ", ".join(str(h.rank) for h in stuck)
             cleanup = self._stop(primary=first)
@@ -458,7 +188,7 @@ class Supervisor:
                 f"\nWhere rank {h.rank} was (most recent call last):\n{stacks[h.rank]}"
                 for h in stuck
             )
-            first.error = first.error and _with_note(
+            first.error = first.error and _report.with_note(
                 first.error,
                 f"Rank(s) {names} had not finished {_PEER_GRACE_S:g} s later: most likely they "
                 f"wait in a collective rank {first.rank} will never reach.{where}",
@@ -476,63 +206,6 @@ class Supervisor:
         said = ("; ".join(parts) + ". ") if parts else ""
         return f"{said.capitalize()}The pool's ranks are kept, with what they hold.", None
 
-    def _describe(self, h: RankHandle, cleanup: str, diagnosis: Any = None) -> WorkerError:
-        if h.error is not None:
-            error = h.error
-            original = None
-            if error.original is not None:
-                try:
-                    import cloudpickle
-
-                    original = cloudpickle.loads(error.original)
-                except Exception:
-                    original = None
-            if error.context == "raised":
-                summary = f"rank {h.rank} raised {error.exc_type}: {error.message}"
-                if _NO_GROUP in error.message:
-                    summary += _NO_GROUP_HINT
-            else:
-                summary = f"rank {h.rank} {error.context}: {error.exc_type}: {error.message}"
-            return WorkerError(
-                summary,
-                rank=h.rank,
-                exc_type=error.exc_type,
-                exc_message=error.message,
-                worker_traceback=error.traceback,
-                exitcode=h.exitcode,
-                cleanup=cleanup,
-                original=original,
-                diagnosis=diagnosis,
-            )
-        code = h.exitcode
-        if code is not None and code < 0:
-            name = signal.Signals(-code).name
-            hint = _SIGNAL_HINTS.get(name, "")
-            from mgtutor import doctor
-
-            records = getattr(diagnosis, "records", None) or {}
-            if name == "SIGABRT" and doctor.aborted_on_gloo(records.get(h.rank)):
-                hint = _GLOO_ABORT_HINT
-            summary = f"rank {h.rank} was killed by signal {name} ({-code}).{hint}"
-            return WorkerError(
-                summary,
-                rank=h.rank,
-                exitcode=code,
-                signal_name=name,
-                cleanup=cleanup,
-                diagnosis=diagnosis,
-            )
-        if code == 0:
-            summary = f"rank {h.rank} exited without returning a result (its process ended early)."
-        else:
-            summary = (
-                f"rank {h.rank} exited with code {code} before returning a result "
-                f"(os._exit, or a failure while the worker started; its last output is above)."
-            )
-        return WorkerError(
-            summary, rank=h.rank, exitcode=code, cleanup=cleanup, diagnosis=diagnosis
-        )
-
     def _raise_timeout(
         self,
         targets: list[RankHandle],
@@ -541,7 +214,7 @@ class Supervisor:
         starting: bool = False,
     ) -> None:
         running = [h for h in targets if h.process.is_alive() and not h.answered]
-        diagnosis = None if starting else self._diagnose()
+        diagnosis = None if starting else _report.diagnose(self.handles, self.dump_paths)
         stacks = self._stacks(running)
         cleanup = self._stop()
         self._drain(_DRAIN_GRACE_S)
@@ -591,7 +264,7 @@ class Supervisor:
             grew = any(len(h.output.diag) != n for h, n in zip(ranks, before))
             if all(h.output.diag for h in ranks) and not grew:
                 break
-        return {h.rank: _format_stack(bytes(h.output.diag), h.main_ident) for h in ranks}
+        return {h.rank: _report.format_stack(bytes(h.output.diag), h.main_ident) for h in ranks}
 
     def _interrupt(self, targets: list[RankHandle]) -> None:
         """Ctrl+C in a pool: interrupt fn on every rank; stop them all if that fails."""
@@ -670,7 +343,7 @@ class Supervisor:
                 while any(h.exitcode is None for h in started):
                     self._pump(_POLL_S)
                     self._reap()
-                    self._stop_lingering()
+                    _cleanup.stop_lingering(self.handles)
                 self._drain(_DRAIN_GRACE_S)
                 _cleanup.stop_leftovers(self.handles)
             except KeyboardInterrupt:
@@ -698,84 +371,3 @@ class Supervisor:
                 h.process.close()
             except ValueError:
                 pass
-
-    def _stop_lingering(self) -> None:
-        """Stop a rank that was asked to exit but did not; say why that happens."""
-        now = time.monotonic()
-        for h in self.handles:
-            if h.exitcode is not None or h.exit_asked_at is None:
-                continue
-            waited = now - h.exit_asked_at
-            busy = waited < _EXIT_GRACE_MAX_S and _cleanup.still_busy(h, now, _EXIT_IDLE_S)
-            if waited < _EXIT_GRACE_S or busy:
-                continue
-            members = _cleanup.group_members(h.process.pid)
-            _cleanup.signal_rank(h, signal.SIGKILL)
-            h.process.join(2)
-            h.exitcode = h.process.exitcode
-            h.lingered = True
-            others = len([p for p in members if p != h.process.pid])
-            extra = f" and {others} process(es) it had started" if others else ""
-            print(
-                f"mgtutor: rank {h.rank} returned, but its process was still running "
-                f"{waited:.0f} s later (a non-daemon thread, or a DataLoader or other "
-                f"child process that was not shut down); it was stopped{extra}. Its result is "
-                f"kept. End threads (daemon=True, or join them) and child processes before fn "
-                f"returns.",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
-_Selector = getattr(selectors, "PollSelector", selectors.SelectSelector)  # as multiprocessing
-
-
-def _ended(sentinels: list[int]) -> list[int]:
-    """The process sentinels that are readable now (their processes ended), without waiting."""
-    if not hasattr(select, "poll"):
-        return wait(sentinels, 0)
-    poller = select.poll()
-    for fd in sentinels:
-        poller.register(fd, select.POLLIN)
-    return [fd for fd, _ in poller.poll(0)]
-
-
-def _with_note(error: Failed, note: str) -> Failed:
-    from dataclasses import replace
-
-    return replace(error, traceback=f"{error.traceback.rstrip()}\n\n{note}")
-
-
-_FRAME = re.compile(r'^\s*File "(?P<file>.+)", line (?P<line>\d+) in (?P<func>.+)$')
-# Functions below fn on a rank's stack: mgtutor's own start-up and call loop (and %%ddp's
-# runner of a cell's code, below the cell).
-_ENTRY_FRAMES = ("_run_source", "_measured_call", "_run_call", "rank_main")
-
-
-def _format_stack(dump: bytes, main_ident: int | None) -> str:
-    """Pick the main thread out of a faulthandler dump and add each frame's source line."""
-    text = dump.decode("utf-8", "replace")
-    blocks = re.split(r"\n(?=(?:Current thread|Thread) 0x)", text.strip())
-    chosen = blocks
-    if main_ident is not None:
-        mark = f"0x{main_ident:016x}"
-        chosen = [b for b in blocks if mark in b.splitlines()[0]] or blocks
-    frames = []
-    for block in chosen:
-        for line in block.splitlines()[1:]:
-            frame = _FRAME.match(line)
-            if frame is None or frame["file"].startswith("<frozen "):
-                continue
-            text = f'  File "{frame["file"]}", line {frame["line"]}, in {frame["func"]}'
-            source = linecache.getline(frame["file"], int(frame["line"])).strip()
-            if frame["func"] in _ENTRY_FRAMES and frames:
-                break  # below fn are mgtutor's and multiprocessing's start-up frames
-            frames.append(f"{text}\n    {source}" if source else text)
-            if frame["func"] in _ENTRY_FRAMES:
-                break  # still starting up: mgtutor's own line says what it was doing
-    frames.reverse()  # faulthandler lists the innermost frame first; Python's order is last
-    if len(frames) > _MAX_FRAMES:
-        # Keep the outermost frames (the user's fn) and the innermost (what it waits in).
-        hidden = len(frames) - _MAX_FRAMES
-        frames = [*frames[: _MAX_FRAMES - 6], f"  ... {hidden} frames omitted ...", *frames[-6:]]
-    return "\n".join(frames)

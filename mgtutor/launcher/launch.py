@@ -26,8 +26,9 @@ from collections.abc import Callable
 from typing import Any
 
 from mgtutor.launcher import _processes, _send
+from mgtutor.launcher._handle import with_wall_time
 from mgtutor.launcher._processes import DEFAULT_START_METHOD, START_METHODS
-from mgtutor.launcher.pool import Pool, with_wall_time
+from mgtutor.launcher.pool import Pool
 from mgtutor.measure.run import Run
 
 __all__ = ["launch", "START_METHODS", "DEFAULT_START_METHOD"]

@@ -34,7 +34,7 @@ import shlex
 import symtable
 from typing import Any
 
-from mgtutor.launcher._supervise import Wording
+from mgtutor.launcher._report import Wording
 from mgtutor.launcher.pool import Pool
 
 __all__ = ["load_ipython_extension", "current_pool"]

@@ -24,7 +24,6 @@ report faults and clean up in the same way. In a notebook, ``%load_ext mgtutor``
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import os
 import shutil
 import tempfile
@@ -35,13 +34,13 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from mgtutor.doctor import DUMP_PATH_ENV
-from mgtutor.errors import WorkerError
-from mgtutor.launcher import _namespace, _processes, _send
+from mgtutor.launcher import _handle, _namespace, _processes, _send
+from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._messages import Call, Exit
-from mgtutor.launcher._supervise import RankHandle, Supervisor, Wording
+from mgtutor.launcher._report import Wording
+from mgtutor.launcher._supervise import Supervisor
 from mgtutor.measure.progress import ProgressBoard
-from mgtutor.measure.run import RankResult, Run
-from mgtutor.measure.timing import PhaseRecord
+from mgtutor.measure.run import Run
 
 __all__ = ["Pool"]
 
@@ -300,7 +299,7 @@ class Pool:
             call.call, handles, board, timeout, self.start_timeout, keep=not self._one_call
         )
         self._say_kept_names(handles)
-        return _build_run(handles, self.world_size, started, time.perf_counter())
+        return _handle.build_run(handles, self.world_size, started, time.perf_counter())
 
     def _say_group_variables_changed(self, environ: dict[str, str]) -> None:
         """Say once, at the call after the change, that a group variable does nothing yet."""
@@ -373,43 +372,3 @@ class Pool:
             WorkerError: a rank has no such name (the pool is kept).
         """
         return self.run(_namespace.get_name, name, ranks=ranks).results
-
-
-def _build_run(handles: list[RankHandle], world_size: int, started: float, finished: float) -> Run:
-    import cloudpickle
-
-    ranks = []
-    for h in handles:
-        assert h.done is not None
-        record = h.done.record
-        try:
-            result = cloudpickle.loads(h.done.result)
-        except Exception as exc:
-            raise WorkerError(
-                f"rank {h.rank} finished, but the notebook could not unpickle its result: {exc}. "
-                f"Return plain values (numbers, lists, dicts, tensors) from fn.",
-                rank=h.rank,
-            ) from exc
-        timings = [
-            PhaseRecord(p.name, p.step, p.start - started, p.end - started, p.samples, p.nbytes)
-            for p in record["timings"]
-        ]
-        ranks.append(
-            RankResult(
-                rank=h.rank,
-                pid=record["pid"],
-                device=record["device"],
-                backend=record["backend"],
-                wall_time_s=record["finished"] - record["started"],
-                memory=record["memory"],
-                result=result,
-                timings=timings,
-                breakdown=record.get("breakdown"),
-            )
-        )
-    return Run(world_size=world_size, ranks=ranks, wall_time_s=finished - started)
-
-
-def with_wall_time(run: Run, wall_time_s: float) -> Run:
-    """The same run with another wall time (a launch counts its start and exit too)."""
-    return dataclasses.replace(run, wall_time_s=wall_time_s)

@@ -17,8 +17,7 @@ import mgtutor
 import mgtutor.launcher.magic
 from mgtutor.errors import WorkerTimeout
 from mgtutor.exercises import checking as _checking
-from mgtutor.launcher import _send
-from mgtutor.launcher import _supervise as supervise
+from mgtutor.launcher import _report, _send
 from tests.helpers import worker_children
 
 FULL_TRACEBACK_ENV = "MGTUTOR_FULL_TRACEBACK"  # the variable the README names
@@ -41,11 +40,16 @@ def shell(monkeypatch):
 
 
 def _shown(shell, capsys, cell: str) -> list[str]:
-    """The lines IPython printed for the cell's error, blank ones dropped."""
+    """The lines IPython printed for the cell's error, blank ones and mgtutor's notes dropped.
+
+    A note (``mgtutor: starting 2 ranks for %%ddp ...``) is printed as the cell starts, as
+    output of its own; the error is what the cell shows after it.
+    """
     capsys.readouterr()
     result = shell.run_cell(cell)
     assert result.error_in_exec is not None, "the cell was meant to fail"
-    return [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    lines = capsys.readouterr().out.splitlines()
+    return [line for line in lines if line.strip() and not line.startswith("mgtutor: ")]
 
 
 def test_ipython_shows_the_message_first_and_the_full_traceback_on_request(
@@ -174,7 +178,7 @@ _DUMP = b"""Current thread 0x00007f0000000001 (most recent call first):
 
 
 def test_rank_stacks_are_in_pythons_order_innermost_last() -> None:
-    stack = supervise._format_stack(_DUMP, 0x7F0000000001).splitlines()
+    stack = _report.format_stack(_DUMP, 0x7F0000000001).splitlines()
     assert [line.split(" in ")[-1] for line in stack] == ["work", "inner", "wrapper", "all_reduce"]
 
 

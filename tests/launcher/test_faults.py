@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import mgtutor
-from mgtutor.launcher import _supervise as supervise
+from mgtutor.launcher import _cleanup
 from tests.helpers import open_fds, worker_children
 
 # Every launcher promise holds on both start methods: each test runs once per method.
@@ -192,7 +192,7 @@ def test_peer_killed_while_the_others_wait_in_a_collective_is_blamed() -> None:
 def test_rank_still_exiting_with_cpu_is_given_time(monkeypatch, capfd) -> None:
     # A rank whose process is busy ending after fn returned (here an atexit handler computing
     # for 3 s; on a loaded machine, interpreter shutdown) is not a lingering rank.
-    monkeypatch.setattr(supervise, "_EXIT_GRACE_S", 1.0)
+    monkeypatch.setattr(_cleanup, "_EXIT_GRACE_S", 1.0)
 
     def work() -> int:
         import atexit
@@ -214,7 +214,7 @@ def test_rank_still_exiting_with_cpu_is_given_time(monkeypatch, capfd) -> None:
 def test_rank_that_returns_but_does_not_exit_is_stopped_and_its_result_kept(
     monkeypatch, capfd
 ) -> None:
-    monkeypatch.setattr(supervise, "_EXIT_GRACE_S", 1.0)
+    monkeypatch.setattr(_cleanup, "_EXIT_GRACE_S", 1.0)
 
     def work() -> int:
         import subprocess

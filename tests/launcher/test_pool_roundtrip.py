@@ -19,7 +19,7 @@ import time
 import pytest
 
 import mgtutor
-from mgtutor.launcher import _relay, _supervise
+from mgtutor.launcher import _relay, _supervise, _watch
 
 
 def _silent() -> None:
@@ -61,11 +61,12 @@ def counted(monkeypatch):
     monkeypatch.setattr(_supervise.Supervisor, "_receive", receive)
     monkeypatch.setattr(_relay.RankOutput, "read", read)
     monkeypatch.setattr(_supervise, "time", _NoSleep(time, sleep))
+    monkeypatch.setattr(_watch, "time", _NoSleep(time, sleep))  # the loop that waits
     return counts
 
 
 class _NoSleep:
-    """The time module as _supervise sees it, with sleep counted instead of slept."""
+    """The time module as _supervise and _watch see it, with sleep counted instead of slept."""
 
     def __init__(self, real, sleep):
         self._real, self.sleep = real, sleep

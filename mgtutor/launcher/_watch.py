@@ -1,0 +1,161 @@
+"""The loop that listens to every rank at once: answers, output, progress and exits.
+
+:class:`RankWatch` waits on every rank's message pipe, output pipes and process handle in one
+selector, relays output as it comes (:mod:`._relay`), updates the progress bars, and records
+each rank's answer or failure on its :class:`~._handle.RankHandle`. It decides nothing: the
+:class:`~._supervise.Supervisor` built on it decides when a call has ended or failed.
+"""
+
+from __future__ import annotations
+
+import select
+import selectors
+import sys
+import time
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from mgtutor.launcher._handle import RankHandle
+from mgtutor.launcher._messages import Done, Failed, Hello, Progress, Ready
+from mgtutor.measure.progress import ProgressBoard
+
+__all__ = ["RankWatch"]
+
+_POLL_S = 0.1
+
+
+class RankWatch:
+    """The ranks of one pool (or one launch), and what each has sent so far."""
+
+    def __init__(self) -> None:
+        self.handles: list[RankHandle] = []
+        self.board: ProgressBoard | None = None
+        # The selector of _pump, kept while the set it watches stays the same (building one
+        # registers every pipe again at every wait).
+        self._selector: selectors.BaseSelector | None = None
+        self._selected: set[Any] = set()
+        self._printed = False  # a Progress message printed a line since the last flush
+
+    def add(self, handle: RankHandle) -> None:
+        """Watch one more started rank."""
+        self.handles.append(handle)
+
+    def send(self, h: RankHandle, message: Any) -> bool:
+        """Send a message to a rank; False when its pipe is closed (the rank has gone)."""
+        try:
+            h.conn.send(message)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def send_pickled(self, h: RankHandle, message: bytes) -> bool:
+        """:meth:`send` for a message pickled once for every rank (``ForkingPickler.dumps``)."""
+        try:
+            h.conn.send_bytes(message)
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def _watched(self) -> dict[Any, tuple[RankHandle, str]]:
+        watched: dict[Any, tuple[RankHandle, str]] = {}
+        for h in self.handles:
+            if h.closed:
+                continue
+            if h.conn_open:
+                watched[h.conn] = (h, "conn")
+            for name in h.output.open:
+                watched[h.output.pipes[name]] = (h, name)
+            if h.exitcode is None:
+                watched[h.process.sentinel] = (h, "exit")
+        return watched
+
+    def _pump(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for anything from the ranks and handle it; True if any came."""
+        watched = self._watched()
+        if not watched:
+            time.sleep(timeout)
+            return False
+        ready = self._wait(watched, timeout)
+        # Output first: an answer then relays the rest of its rank's output (drain), after
+        # which a pipe this wait saw readable may be empty.
+        for obj in sorted(ready, key=lambda o: watched[o][1] == "conn"):
+            handle, what = watched[obj]
+            if what == "conn":
+                self._receive(handle)
+            elif what != "exit":
+                handle.output.read(what)
+        # Only after something was printed: in a kernel, each flush waits for ipykernel's IO
+        # thread, even with nothing to send.
+        if any([h.output.take_written() for h in self.handles]) or self._printed:
+            self._printed = False
+            sys.stdout.flush()
+            sys.stderr.flush()
+        return bool(ready)
+
+    def _wait(self, watched: dict[Any, tuple[RankHandle, str]], timeout: float) -> list[Any]:
+        """``multiprocessing.connection.wait`` on ``watched``, with a selector kept for reuse."""
+        if self._selector is None or self._selected != watched.keys():
+            self._selector = _Selector()
+            self._selected = set(watched)
+            for obj in watched:
+                self._selector.register(obj, selectors.EVENT_READ)
+        return [key.fileobj for key, _ in self._selector.select(timeout)]
+
+    def _receive(self, h: RankHandle) -> None:
+        try:
+            message = h.conn.recv()
+        except (EOFError, OSError):
+            h.conn_open = False
+            return
+        if isinstance(message, Progress):
+            if self.board is not None:
+                self.board.update(h.rank, message.step, message.total, message.desc)
+                self._printed = True
+        elif isinstance(message, Done) and message.call == h.call:
+            h.output.drain(message.call)
+            h.done = message
+            h.children.update(message.record.get("children", []))
+        elif isinstance(message, Failed) and message.call in (h.call, 0):
+            h.output.drain(message.call)
+            h.error = message
+            h.failed_at = message.when
+        elif isinstance(message, Hello):
+            h.main_ident = message.main_ident
+        elif isinstance(message, Ready):
+            h.ready = True
+
+    def _reap(self) -> None:
+        running = [h for h in self.handles if h.exitcode is None]
+        if not running:
+            return
+        # One look at every rank's exit (a forkserver rank's is_alive is a wait of its own).
+        ended = _ended([h.process.sentinel for h in running])
+        for h in running:
+            if h.process.sentinel not in ended or h.process.is_alive():
+                continue
+            h.process.join(0)
+            h.exitcode = h.process.exitcode
+            while h.conn_open and self._poll(h.conn):
+                self._receive(h)
+            if h.failed_at is None and h.exit_asked_at is None and h.done is None:
+                h.failed_at = time.perf_counter()  # it ended without answering
+
+    @staticmethod
+    def _poll(conn: Connection) -> bool:
+        try:
+            return conn.poll(0)
+        except (EOFError, OSError):
+            return False
+
+
+_Selector = getattr(selectors, "PollSelector", selectors.SelectSelector)  # as multiprocessing
+
+
+def _ended(sentinels: list[int]) -> list[int]:
+    """The process sentinels that are readable now (their processes ended), without waiting."""
+    if not hasattr(select, "poll"):
+        return wait(sentinels, 0)
+    poller = select.poll()
+    for fd in sentinels:
+        poller.register(fd, select.POLLIN)
+    return [fd for fd, _ in poller.poll(0)]
