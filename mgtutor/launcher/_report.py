@@ -57,17 +57,22 @@ _GLOO_ABORT_HINT = (
 
 @dataclass(frozen=True)
 class Wording:
-    """How a supervisor's errors name what ran and whose ranks were stopped.
+    """How a launch, a pool or ``%%ddp`` names what ran, in its errors and notes.
 
     Attributes:
         work: what ran, at the start of a sentence ("fn"; "The %%ddp cell").
         owner: whose processes are gone ("No process of this launch is left running").
         note: added to every error that stopped the ranks ("" for a launch).
+        push: how to give the ranks the notebook's values (``{pairs}``: ``name=name, ...``;
+            ``{names}``: ``name ...``).
+        restart: how to start new ranks.
     """
 
     work: str = "fn"
     owner: str = "this launch"
     note: str = ""
+    push: str = "pool.push({pairs})"
+    restart: str = "pool.restart()"
 
 
 def diagnose(handles: list[RankHandle], dump_paths: dict[int, str]) -> Any:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import shlex
 import symtable
 from typing import Any
@@ -70,6 +71,7 @@ _DDP_WORDING = Wording(
     owner="the %%ddp ranks",
     note="The %%ddp ranks were stopped; the next %%ddp cell starts new ones (what they held is "
     "lost).",
+    push="%ddp_push {names}",
 )
 
 
@@ -87,10 +89,11 @@ def _pool() -> Pool:
             f"(backend {options['backend'] or 'chosen by setup'}); %ddp_stop ends them.",
             flush=True,
         )
-        pool = Pool(options["world_size"], options["backend"], _wording=_DDP_WORDING)
-        pool._push_advice = "%ddp_push {names}"
         backend = f" --backend {options['backend']}" if options["backend"] else ""
-        pool._restart_advice = f"%ddp_start -n {options['world_size']}{backend}"
+        wording = dataclasses.replace(
+            _DDP_WORDING, restart=f"%ddp_start -n {options['world_size']}{backend}"
+        )
+        pool = Pool(options["world_size"], options["backend"], _wording=wording)
         _state["pool"] = pool
     return pool
 

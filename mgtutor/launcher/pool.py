@@ -131,10 +131,6 @@ class Pool:
         # Where each relayed line goes instead of the cell during a call
         # (``sink(rank, stream, text)``): %%ddp's per-rank tabs.
         self._sink: Callable[[int, str, str], None] | None = None
-        # How the notes printed by a call tell the learner to push a value or start new ranks
-        # (%%ddp says it in its own words).
-        self._push_advice = "pool.push({pairs})"
-        self._restart_advice = "pool.restart()"
         self._start()
         _open_pools.add(self)
 
@@ -313,7 +309,7 @@ class Pool:
             f"mgtutor: changed since this pool's ranks made their process group: "
             f"{_send.changes(self._group_environ, now)}. These act only when a process group is "
             f"made, so the running ranks do not use the new values; "
-            f"{self._restart_advice} starts new ranks that do (what the ranks hold is lost).",
+            f"{self._wording.restart} starts new ranks that do (what the ranks hold is lost).",
             flush=True,
         )
 
@@ -326,7 +322,7 @@ class Pool:
         for ranks in sorted({tuple(r) for r in by_name.values()}):
             names = [n for n, r in by_name.items() if tuple(r) == ranks]
             note = _namespace.kept_note(names, f"rank(s) {', '.join(map(str, ranks))}")
-            advice = self._push_advice.format(
+            advice = self._wording.push.format(
                 pairs=", ".join(f"{n}={n}" for n in names), names=" ".join(names)
             )
             print(f"mgtutor: {note}. To send the notebook's: {advice}.", flush=True)
