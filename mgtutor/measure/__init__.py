@@ -5,6 +5,8 @@
 * :mod:`.breakdown`: each rank's memory by category (parameters, gradients, optimizer state,
   DDP buckets), measured from the tensors inside the rank.
 * :mod:`.memplan`: the same categories computed ahead, per strategy (DDP, ZeRO-1, FSDP, TP).
+* :mod:`.planner`: a transformer's memory per GPU and communication per step, from published
+  formulas, for any layout of data (ZeRO 0-3), tensor and pipeline parallelism.
 * :mod:`.activations`: the bytes a forward and backward create and keep alive.
 * :mod:`.stats`: repeated measurements read with their spread.
 * :mod:`.progress`: per-rank progress bars.
