@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,7 +74,7 @@ def count_all_to_all() -> Iterator[list[Exchange]]:
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], phase: str) -> torch.Tensor:
     x = x.contiguous()
-    row = x[0].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    row = math.prod(x.shape[1:]) * x.element_size()  # a rank may receive no rows at all
     for log in _logs:
         log.append(Exchange(phase, tuple(n * row for n in send), tuple(n * row for n in recv)))
     out = x.new_empty((sum(recv), *x.shape[1:]))
@@ -135,7 +135,7 @@ def keep_within_capacity(experts: torch.Tensor, num_experts: int, cap: int | Non
 
 
 def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-    """Switch Transformer's auxiliary loss, ``N * sum_i f_i * P_i`` (eq. 4 of arXiv:2101.03961).
+    """Switch Transformer's auxiliary loss, ``N * sum_i f_i * P_i`` (arXiv:2101.03961).
 
     ``f_i`` is the fraction of the ``tokens * k`` assignments routed to expert i (before
     capacity), ``P_i`` the router's mean probability for it. Uniform routing gives 1.0, its
@@ -226,11 +226,12 @@ class ExpertParallelMoE(nn.Module):
     """:class:`MoE` on ranks: the router replicated, each rank holding ``E / R`` experts.
 
     Build it on every rank from the same ``MoE``. Its router's gradient is this rank's part:
-    all-reduce it (sum) as data parallelism would. ``last`` keeps the latest forward's counts
+    all-reduce it (sum) as data parallelism would. ``plan`` replaces :func:`plan_dispatch`
+    (notebook 16's exercise). ``last`` keeps the latest forward's counts
     (``per_expert``, ``send``, ``recv``, ``dropped``) for inspection.
     """
 
-    def __init__(self, moe: MoE) -> None:
+    def __init__(self, moe: MoE, plan: Callable[..., Any] | None = None) -> None:
         super().__init__()
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if moe.num_experts % self.world:
@@ -239,12 +240,14 @@ class ExpertParallelMoE(nn.Module):
         self.moe = moe  # routing only; the experts used are the copies below
         first = self.rank * self.per_rank
         self.experts = copy.deepcopy(moe.experts[first : first + self.per_rank])
+        self.plan = plan or plan_dispatch
         self.last: dict[str, Any] = {}
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's tokens through the layer: (output, auxiliary loss of these tokens)."""
         r = self.moe.route(x)
-        order, per_expert, send = plan_dispatch(r["experts"], r["keep"], self.per_rank, self.world)
+        order, per_expert, send = self.plan(r["experts"], r["keep"], self.per_rank, self.world)
+        per_expert, send = torch.as_tensor(per_expert, dtype=torch.long), [int(n) for n in send]
         incoming = torch.empty_like(per_expert)  # [sources * my experts] rows for each
         dist.all_to_all_single(incoming, per_expert)
         recv_per_expert = incoming.reshape(self.world, self.per_rank)
