@@ -6,21 +6,21 @@ experts spread across ranks (rank ``r`` holds experts ``r * E/R`` to ``(r+1) * E
 rank sorts its tokens by the rank that holds their expert and exchanges them with one
 ``dist.all_to_all_single``; the experts' outputs come back with a second one:
 
-=====================  ====================================  ==================================
-function               forward                               backward
-=====================  ====================================  ==================================
-:func:`all_to_all`     send ``send[r]`` rows to rank r,      the reverse: the gradient of what
-(dispatch)             receive ``recv[r]`` rows from it      was received goes back to its sender
-:func:`all_to_all`     the same call, splits swapped         the dispatch-shaped exchange
-(combine)
-=====================  ====================================  ==================================
+================================  =================================  ============================
+call                              forward                            backward
+================================  =================================  ============================
+dispatch ``all_to_all(x, s, r)``  ``s[i]`` rows to rank i, ``r[i]``  combine-shaped: the received
+                                  rows from it                       rows' gradients sent back
+combine ``all_to_all(y, r, s)``   the results back to their ranks    dispatch-shaped
+================================  =================================  ============================
 
 The backward of a dispatch is a combine-shaped all-to-all, and vice versa. Inside
 :func:`count_all_to_all` each exchange is written down with its phase and the bytes this rank
-sends to each rank. :class:`MoE` is the one-process layer; :class:`ExpertParallelMoE` the same
-layer on ranks, built from it. Capacity is applied per group of tokens (a rank's tokens), in
-token order, as Switch does; a token whose every choice is dropped gets 0 from the layer (a
-transformer's residual connection carries it on).
+sends to each rank (not the small exchange of per-expert counts before the dispatch, one int64
+per expert, which has no backward). :class:`MoE` is the one-process layer;
+:class:`ExpertParallelMoE` the same layer on ranks, built from it. Capacity is applied per
+group of tokens (a rank's tokens), in token order, as Switch does; a token whose every choice
+is dropped gets 0 from the layer (a transformer's residual connection carries it on).
 """
 
 from __future__ import annotations
@@ -165,6 +165,19 @@ def plan_dispatch(
     return order, per_expert, send
 
 
+def _route(
+    router: nn.Linear, x: torch.Tensor, k: int, capacity_factor: float | None
+) -> dict[str, torch.Tensor]:
+    probs = router(x).softmax(-1)
+    weights, experts = probs.topk(k, dim=-1)
+    num_experts = probs.shape[-1]
+    cap = None
+    if capacity_factor is not None:
+        cap = capacity(x.shape[0], num_experts, k, capacity_factor)
+    keep = keep_within_capacity(experts, num_experts, cap)
+    return {"probs": probs, "weights": weights, "experts": experts, "keep": keep}
+
+
 class MoE(nn.Module):
     """A mixture-of-experts layer in one process: router, top-k, capacity, weighted experts.
 
@@ -195,13 +208,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """Router probabilities, each token's top-k experts and weights, and what fits."""
-        probs = self.router(x).softmax(-1)
-        weights, experts = probs.topk(self.k, dim=-1)
-        cap = None
-        if self.capacity_factor is not None:
-            cap = capacity(x.shape[0], self.num_experts, self.k, self.capacity_factor)
-        keep = keep_within_capacity(experts, self.num_experts, cap)
-        return {"probs": probs, "weights": weights, "experts": experts, "keep": keep}
+        return _route(self.router, x, self.k, self.capacity_factor)
 
     def forward(self, x: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's output and its auxiliary loss, each group of tokens routed on its own.
@@ -225,9 +232,10 @@ class MoE(nn.Module):
 class ExpertParallelMoE(nn.Module):
     """:class:`MoE` on ranks: the router replicated, each rank holding ``E / R`` experts.
 
-    Build it on every rank from the same ``MoE``. Its router's gradient is this rank's part:
-    all-reduce it (sum) as data parallelism would. ``plan`` replaces :func:`plan_dispatch`
-    (notebook 16's exercise). ``last`` keeps the latest forward's counts
+    Build it on every rank from the same ``MoE``: it shares that MoE's router and copies this
+    rank's experts, so its parameters are what the rank holds. The router's gradient is this
+    rank's part: all-reduce it (sum) as data parallelism would. ``plan`` replaces
+    :func:`plan_dispatch` (notebook 16's exercise). ``last`` keeps the latest forward's counts
     (``per_expert``, ``send``, ``recv``, ``dropped``) for inspection.
     """
 
@@ -237,7 +245,7 @@ class ExpertParallelMoE(nn.Module):
         if moe.num_experts % self.world:
             raise ValueError(f"{moe.num_experts} experts do not divide over {self.world} ranks")
         self.per_rank = moe.num_experts // self.world
-        self.moe = moe  # routing only; the experts used are the copies below
+        self.router, self.k, self.capacity_factor = moe.router, moe.k, moe.capacity_factor
         first = self.rank * self.per_rank
         self.experts = copy.deepcopy(moe.experts[first : first + self.per_rank])
         self.plan = plan or plan_dispatch
@@ -245,7 +253,7 @@ class ExpertParallelMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's tokens through the layer: (output, auxiliary loss of these tokens)."""
-        r = self.moe.route(x)
+        r = _route(self.router, x, self.k, self.capacity_factor)
         order, per_expert, send = self.plan(r["experts"], r["keep"], self.per_rank, self.world)
         per_expert, send = torch.as_tensor(per_expert, dtype=torch.long), [int(n) for n in send]
         incoming = torch.empty_like(per_expert)  # [sources * my experts] rows for each
@@ -253,7 +261,7 @@ class ExpertParallelMoE(nn.Module):
         recv_per_expert = incoming.reshape(self.world, self.per_rank)
         recv = recv_per_expert.sum(1).tolist()
 
-        token = order // self.moe.k
+        token = order // self.k
         received = all_to_all(x[token], send, recv)
         local = torch.arange(self.per_rank).repeat(self.world)
         which = torch.repeat_interleave(local, recv_per_expert.reshape(-1))

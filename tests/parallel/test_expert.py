@@ -53,12 +53,16 @@ def test_the_plan_groups_kept_assignments_by_expert_and_counts_rows_per_rank() -
     assert per_expert.tolist() == [2, 1, 0, 2] and send == [3, 2]
 
 
-def _worker(capacity_factor: float | None) -> dict[str, Any]:
-    mgtutor.setup(backend="gloo")
+def _worker(capacity_factor: float | None, starved: bool) -> dict[str, Any]:
     rank = dist.get_rank()
     torch.manual_seed(0)
     moe = expert.MoE(DIM, HIDDEN, EXPERTS, K, capacity_factor).double()
-    x = torch.randn(TOKENS * WORLD, DIM, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(TOKENS * WORLD, DIM, dtype=torch.float64)
+    if starved:  # feature 0 is large on every token and scores only experts 0 and 1
+        x[:, 0] = 10.0
+        with torch.no_grad():
+            moe.router.weight[:, 0] = torch.tensor([5.0, 5.0, -5.0, -5.0])
+    x.requires_grad_()
     grad_y = torch.randn(TOKENS * WORLD, DIM, dtype=torch.float64)
     y, aux = moe(x, groups=WORLD)
     ((y * grad_y).sum() + aux).backward()
@@ -78,7 +82,9 @@ def _worker(capacity_factor: float | None) -> dict[str, Any]:
     router_grad = moe.router.weight.grad.clone()
     dist.all_reduce(router_grad)
     r = moe.route(x.detach()[mine])
+    held = sum(p.numel() for p in ep.parameters())
     return {
+        "held": held == moe.router.weight.numel() + sum(p.numel() for p in ep.experts.parameters()),
         "y": torch.allclose(y_mine, y.detach()[mine]),
         "aux_sum": aux_mine.detach(),
         "aux": aux.detach(),
@@ -94,24 +100,35 @@ def _worker(capacity_factor: float | None) -> dict[str, Any]:
     }
 
 
-def _both(capacity_factors: tuple[float | None, ...]) -> list[dict[Any, Any]]:
-    return [_worker(c) for c in capacity_factors]
+CONFIGS = ((None, False), (1.0, False), (None, True))  # capacity factor, rank 1 starved
+
+
+def _all_configs() -> list[dict[Any, Any]]:
+    mgtutor.setup(backend="gloo")
+    return [_worker(*config) for config in CONFIGS]
 
 
 @functools.lru_cache(maxsize=1)
 def _run() -> list[list[dict[str, Any]]]:
-    return mgtutor.launch(_both, (None, 1.0), world_size=WORLD, backend="gloo", timeout=60).results
+    return mgtutor.launch(_all_configs, world_size=WORLD, backend="gloo", timeout=60).results
 
 
-@pytest.mark.parametrize("case", [0, 1], ids=["no capacity", "capacity factor 1.0"])
+@pytest.mark.parametrize(
+    "case", [0, 1, 2], ids=["no capacity", "capacity factor 1.0", "rank 1 receives nothing"]
+)
 def test_output_and_every_gradient_equal_one_process(case: int) -> None:
     for rank in _run():
         got = rank[case]
         assert got["y"] and got["x_grad"] and got["router_equal"] and got["expert_grads"]
+    assert [rank[2]["last"]["send"][1] for rank in _run()] == [0, 0]  # the case is what it says
+
+
+def test_the_layer_on_a_rank_holds_the_router_and_its_own_experts_only() -> None:
+    assert all(config["held"] for rank in _run() for config in rank)
 
 
 def test_each_rank_sends_the_rows_its_tokens_route_to_the_other_rank_and_receives_theirs() -> None:
-    for case in (0, 1):
+    for case in range(len(CONFIGS)):
         ranks = [r[case] for r in _run()]
         for rank, got in enumerate(ranks):
             per_rank = torch.tensor(got["last"]["per_expert"]).reshape(WORLD, -1).sum(1).tolist()
