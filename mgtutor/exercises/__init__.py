@@ -53,6 +53,7 @@ from mgtutor.exercises.data_parallel import (
     check_snapshot,
 )
 from mgtutor.exercises.model_parallel import (
+    check_expert_dispatch,
     check_merge_partials,
     check_tensor_parallel_pair,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "check_snapshot",
     "check_tensor_parallel_pair",
 ]
+__all__ += ["check_expert_dispatch"]
 
 
 def _check(

@@ -20,6 +20,7 @@ from mgtutor.exercises.cases import (
     SCALING_CASES,
     SHARD_CASES,
 )
+from mgtutor.exercises.cases.expert_dispatch import DISPATCH_CASES
 from mgtutor.exercises.checking import _Exercise
 
 __all__ = ["EXERCISES"]
@@ -164,3 +165,13 @@ EXERCISES = {
         ),
     )
 }
+
+EXERCISES["expert_dispatch"] = _Exercise(
+    "expert_dispatch",
+    "plan_dispatch",
+    ("plan_dispatch",),
+    2,
+    tuple(case for case, *_ in DISPATCH_CASES),
+    "the function does not return: it needs no collective and no loop over ranks, a sort and "
+    "two counts of the router's choices",
+)

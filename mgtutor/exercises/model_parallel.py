@@ -75,3 +75,36 @@ def check_merge_partials(
         TypeError: ``merge_partials`` is not a function.
     """
     return _check_one(EXERCISES["merge_partials"], (merge_partials,), timeout)
+
+
+__all__ += ["check_expert_dispatch"]
+
+
+def check_expert_dispatch(
+    plan_dispatch: Callable[..., Any], *, timeout: float = 30.0
+) -> CheckResult:
+    """Check the dispatch plan of a mixture of experts whose experts are spread across ranks.
+
+    The exercise: write ``plan_dispatch(experts, keep, experts_per_rank, world) -> (order,
+    per_expert, send)``. ``experts`` ``[tokens, k]`` holds each token's chosen experts, ``keep``
+    (same shape) whether each assignment fits in its expert's capacity. Return the kept
+    assignments' flat indices (``token * k + choice``) sorted by expert, the number for each
+    expert, and the rows for each rank (the ``input_split_sizes`` of ``all_to_all_single``).
+
+    The checker runs it on 2 ranks (4 experts, 2 each) inside
+    :class:`mgtutor.parallel.expert.ExpertParallelMoE`, with no capacity, with capacity factor
+    1.0, and with no token choosing rank 1's experts, against one process. It recognizes counts
+    per expert where counts per rank belong, splits in reverse rank order, assignments not
+    grouped by expert, dropped assignments sent, and ``bincount`` without ``minlength``.
+
+    Args:
+        plan_dispatch: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``plan_dispatch`` is not a function.
+    """
+    return _check_one(EXERCISES["expert_dispatch"], (plan_dispatch,), timeout)

@@ -253,3 +253,18 @@ def merge_partials(
     weight_a = torch.exp(lse_a - finite).unsqueeze(-1)
     weight_b = torch.exp(lse_b - finite).unsqueeze(-1)
     return weight_a * out_a + weight_b * out_b, lse
+
+
+__all__ += ["plan_dispatch"]
+
+
+def plan_dispatch(
+    experts: torch.Tensor, keep: torch.Tensor, experts_per_rank: int, world: int
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Which assignments go to which rank: grouped by expert, counted per expert and per rank."""
+    flat = experts.reshape(-1)
+    kept = keep.reshape(-1).nonzero().squeeze(1)  # dropped assignments are not sent
+    order = kept[torch.argsort(flat[kept], stable=True)]  # expert 0's rows first: rank blocks
+    per_expert = torch.bincount(flat[kept], minlength=experts_per_rank * world)
+    send = per_expert.reshape(world, experts_per_rank).sum(1).tolist()
+    return order, per_expert, send

@@ -946,3 +946,78 @@ def test_tensor_parallel_pair_passes_the_reference_and_catches_each_classic_mist
     assert _failed_with(swapped, "copy_to_parallel's forward", "sum over the ranks"), swapped
     assert _failed_with(mean, "mean over the ranks", "do not average"), mean
     assert _failed_with(plain, "reduce_from_parallel's backward", "autograd.Function"), plain
+
+
+# --- notebook 16: the dispatch plan of expert parallelism -------------------------------------
+
+
+def _kept_sorted(experts, keep):
+    flat = experts.reshape(-1)
+    kept = keep.reshape(-1).nonzero().squeeze(1)
+    return flat, kept, kept[torch.argsort(flat[kept], stable=True)]
+
+
+def plan_send_per_expert(experts, keep, experts_per_rank, world):
+    flat, kept, order = _kept_sorted(experts, keep)
+    per_expert = torch.bincount(flat[kept], minlength=experts_per_rank * world)
+    return order, per_expert, per_expert.tolist()  # one count per expert, not per rank
+
+
+def plan_reversed_splits(experts, keep, experts_per_rank, world):
+    order, per_expert, send = solutions.plan_dispatch(experts, keep, experts_per_rank, world)
+    return order, per_expert, send[::-1]
+
+
+def plan_unsorted(experts, keep, experts_per_rank, world):
+    _, kept, _ = _kept_sorted(experts, keep)
+    _, per_expert, send = solutions.plan_dispatch(experts, keep, experts_per_rank, world)
+    return kept, per_expert, send  # token order: the blocks are not per rank
+
+
+def plan_sorted_by_rank_only(experts, keep, experts_per_rank, world):
+    flat, kept, _ = _kept_sorted(experts, keep)
+    by_rank = kept[torch.argsort(-(flat[kept] % experts_per_rank), stable=True)]
+    order = by_rank[torch.argsort(flat[by_rank] // experts_per_rank, stable=True)]
+    _, per_expert, send = solutions.plan_dispatch(experts, keep, experts_per_rank, world)
+    return order, per_expert, send
+
+
+def plan_ignoring_capacity(experts, keep, experts_per_rank, world):
+    return solutions.plan_dispatch(experts, torch.ones_like(keep), experts_per_rank, world)
+
+
+def plan_without_minlength(experts, keep, experts_per_rank, world):
+    flat, kept, order = _kept_sorted(experts, keep)
+    per_expert = torch.bincount(flat[kept])
+    send = [
+        int(per_expert[r * experts_per_rank : (r + 1) * experts_per_rank].sum())
+        for r in range(world)
+    ]
+    return order, per_expert, send
+
+
+def test_expert_dispatch_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    results = exercises._check(
+        "expert_dispatch",
+        [
+            (solutions.plan_dispatch,),
+            (plan_send_per_expert,),
+            (plan_reversed_splits,),
+            (plan_unsorted,),
+            (plan_sorted_by_rank_only,),
+            (plan_ignoring_capacity,),
+            (plan_without_minlength,),
+        ],
+    )
+    reference, per_expert, reversed_, unsorted, by_rank, no_capacity, no_minlength = results
+    assert reference.passed, reference
+    assert _failed_with(per_expert, "24 tokens", "4 counts, one per expert", "sum per_expert"), (
+        per_expert
+    )
+    assert _failed_with(reversed_, "24 tokens", "reverse rank order", "rank 0 first"), reversed_
+    assert _failed_with(unsorted, "24 tokens", "not grouped by expert", "consecutive blocks"), (
+        unsorted
+    )
+    assert _failed_with(by_rank, "24 tokens", "by rank, but mixed within a rank"), by_rank
+    assert _failed_with(no_capacity, "capacity factor 1.0", "marks as dropped"), no_capacity
+    assert _failed_with(no_minlength, "no token chooses", "minlength"), no_minlength

@@ -91,6 +91,13 @@ EXERCISE_RUNNERS: dict[str, Callable[[bytes, int, str | None], list[Finding]]] =
 }
 
 
+from mgtutor.exercises.cases import expert_dispatch  # noqa: E402
+from mgtutor.exercises.cases.expert_dispatch import DISPATCH_CASES  # noqa: E402
+
+__all__ += ["DISPATCH_CASES"]
+EXERCISE_RUNNERS["expert_dispatch"] = expert_dispatch.run
+
+
 def run_candidates(exercise: str, payloads: list[bytes], folder: str | None) -> list[list[Finding]]:
     """Run each pickled candidate through ``exercise``'s cases; one list of findings each.
 
