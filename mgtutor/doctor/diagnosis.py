@@ -143,13 +143,25 @@ def _missing(
     return problems
 
 
+# Collectives whose ranks may pass different shapes: all_to_all_single with uneven splits sends
+# and receives different numbers of rows on each rank (gloo records it as "all_to_all").
+_SIZES_MAY_DIFFER = frozenset({"all_to_all", "alltoall", "alltoall_base"})
+# Collectives whose list of tensors only the root passes: the other ranks record no input at all.
+_ROOT_ONLY_INPUTS = frozenset({"scatter", "gather"})
+
+
 def _different(
     name: str, seq: int, have: dict[int, dict[str, Any]], records: dict[int, dict[str, Any]]
 ) -> _Problem | None:
     """The first of operation, shapes, dtypes that differs between the ranks' entry ``seq``."""
     first = min(have)
     group = _label(name)
-    for kind in ("operation", "shape", "dtype"):
+    kinds = ("operation", "shape", "dtype")
+    if op_name(have[first]) in _SIZES_MAY_DIFFER:
+        kinds = ("operation", "dtype")
+    elif op_name(have[first]) in _ROOT_ONLY_INPUTS:
+        kinds = ("operation",)
+    for kind in kinds:
         if kind == "operation":
             values = {r: op_name(e) for r, e in have.items()}
         elif kind == "shape":

@@ -421,6 +421,36 @@ def _trace(entries: list, enqueued: int, started: int = -1, completed: int | Non
     }
 
 
+def test_uneven_all_to_all_and_a_scatter_from_its_root_are_not_called_different_shapes() -> None:
+    # all_to_all_single with uneven splits: each rank sends its own number of rows. A scatter:
+    # only the root passes the list, the other ranks record no input. Neither is a desync.
+    def two(op: str, sizes: list, dtypes: list) -> dict:
+        return {"input_sizes": sizes, "input_dtypes": dtypes, "profiling_name": op}
+
+    cases = {
+        "gloo:all_to_all": (two("", [[6, 4]], ["Float"]), two("", [[2, 4]], ["Float"])),
+        "gloo:scatter": (two("", [[2, 16, 32]], ["Float"]), two("", [], [])),
+        "gloo:all_reduce": (two("", [[4]], ["Float"]), two("", [[8]], ["Float"])),
+    }
+    kinds = {}
+    for op, (mine, theirs) in cases.items():
+        first = [_entry(1, op, **{**mine, "profiling_name": op}), _entry(2)]
+        second = [_entry(1, op, **{**theirs, "profiling_name": op}), _entry(2)]
+        kinds[op] = doctor.diagnose({0: _trace(first, 2), 1: _trace(second, 2)}).kind
+    # The counterfactual is the all_reduce: there, different sizes are the bug.
+    assert kinds == {
+        "gloo:all_to_all": "agree",
+        "gloo:scatter": "agree",
+        "gloo:all_reduce": "shape",
+    }
+    # Different dtypes in an all_to_all are still a mistake.
+    dtype = [_entry(1, "gloo:all_to_all", input_dtypes=["Double"])]
+    assert (
+        doctor.diagnose({0: _trace([_entry(1, "gloo:all_to_all")], 1), 1: _trace(dtype, 1)}).kind
+        == "dtype"
+    )
+
+
 def test_a_wrapped_ring_buffer_is_partial_and_a_dump_between_two_updates_is_no_agreement() -> None:
     # Both ranks ran 300 collectives with a buffer of 100: the records hold #201 to #300.
     kept = [_entry(seq) for seq in range(201, 301)]
