@@ -18,6 +18,7 @@ from mgtutor.doctor.analyzer import run_torch_analyzer
 from mgtutor.doctor.reading import (
     GroupView,
     as_record,
+    entry_where,
     group_views,
     op_name,
     shape,
@@ -77,17 +78,6 @@ def _label(name: str) -> str:
     return "" if name == "0" else f" (process group {name})"
 
 
-def _entry_where(record: dict[str, Any], entry: dict[str, Any] | None) -> str:
-    """Where fn issued ``entry``: torch's frames, else the rank's stack if it is in that call."""
-    if entry is None:
-        return ""
-    found = where(user_frame(entry.get("frames") or []))
-    if found:
-        return found
-    name, place = stack_call(record)
-    return place if name and name == op_name(entry) else ""
-
-
 def _missing(
     name: str,
     seq: int,
@@ -106,7 +96,7 @@ def _missing(
     op = f"{op_name(entry)} #{seq}" if entry else f"collective #{seq}"
     op += _label(name)
     waiters = [r for r in reached if per_rank[r].waiting() == seq] or reached
-    place = _entry_where(records[with_entry[0]], entry) if with_entry else ""
+    place = entry_where(records[with_entry[0]], entry) if with_entry else ""
     who = " and ".join(f"rank {r}" for r in waiters)
     verb = "is" if len(waiters) == 1 else "are"
     target = f"{op}, which {who} {verb} waiting in" + (f" ({place})" if place else "")
@@ -116,7 +106,7 @@ def _missing(
         last = view.by_seq.get(view.last)
         if view.last and last:
             more = f"rank {r}'s last collective{_label(name)} was {op_name(last)} #{view.last}"
-            more += f" ({w})" if (w := _entry_where(record, last)) else ""
+            more += f" ({w})" if (w := entry_where(record, last)) else ""
         elif view.last:
             more = f"rank {r}'s last collective{_label(name)} was #{view.last}"
         else:
@@ -143,8 +133,7 @@ def _missing(
     return problems
 
 
-# Collectives whose ranks may pass different shapes: all_to_all_single with uneven splits sends
-# and receives different numbers of rows on each rank (gloo records it as "all_to_all").
+# Ranks may pass different shapes: all_to_all_single with uneven splits (gloo's "all_to_all").
 _SIZES_MAY_DIFFER = frozenset({"all_to_all", "alltoall", "alltoall_base"})
 # Collectives whose list of tensors only the root passes: the other ranks record no input at all.
 _ROOT_ONLY_INPUTS = frozenset({"scatter", "gather"})
@@ -178,7 +167,7 @@ def _different(
         else:
             word = "shapes" if kind == "shape" else "dtypes"
             head = f"{op_name(have[first])} #{seq}{group} got different {word}: {listing}"
-        places = {r: _entry_where(records[r], e) for r, e in sorted(have.items())}
+        places = {r: entry_where(records[r], e) for r, e in sorted(have.items())}
         if len(set(places.values())) == 1 and len(places) > 1:
             more = f"every rank issued it at {places[first]}" if places[first] else ""
         else:

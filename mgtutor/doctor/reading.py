@@ -180,3 +180,14 @@ def wrapped(record: dict[str, Any]) -> bool:
     """Whether the rank's ring buffer dropped its oldest entries (more than it keeps)."""
     entries = (record.get("trace") or {}).get("entries") or []
     return bool(entries) and min(int(e.get("record_id", 0)) for e in entries) > 0
+
+
+def entry_where(record: dict[str, Any], entry: dict[str, Any] | None) -> str:
+    """Where fn issued ``entry``: torch's frames, else the rank's stack if it is in that call."""
+    if entry is None:
+        return ""
+    found = where(user_frame(entry.get("frames") or []))
+    if found:
+        return found
+    name, place = stack_call(record)
+    return place if name and name == op_name(entry) else ""
