@@ -526,3 +526,53 @@ def _check(
     if isinstance(exercise, str):
         exercise = _EXERCISES[exercise]
     return _checking._check(exercise, candidates, timeout, label)
+
+
+# --- notebook 15: pipeline parallelism ------------------------------------------------------
+from mgtutor.exercises.cases import GPIPE_CASES  # noqa: E402
+
+__all__ += ["check_gpipe_step"]
+_EXERCISES["gpipe_step"] = _Exercise(
+    "gpipe_step",
+    "gpipe_step",
+    ("gpipe_step",),
+    3,
+    tuple(case for case, *_ in GPIPE_CASES),
+    "a recv that no send matches waits forever: stage r receives activations from rank r - 1 "
+    "and gradients from rank r + 1, as many of each as there are micro-batches; the first "
+    "stage receives no activation and the last no gradient",
+    {
+        "TypeError": "a send of None (got <class 'NoneType'>) is the gradient of a received "
+        "activation that did not require grad: call x.requires_grad_(True) after the recv, "
+        "or backward leaves x.grad as None and there is nothing to send back",
+    },
+)
+
+
+def check_gpipe_step(gpipe_step: Callable[..., Any], *, timeout: float = 30.0) -> CheckResult:
+    """Check one GPipe step of a pipeline stage built from send and recv, as in notebook 15.
+
+    The exercise: write ``gpipe_step(stage_module, micro_batches, targets, loss_fn) -> None``.
+    Rank r holds stage r (``stage_module``); every rank gets the same micro-batches and
+    targets. Stage 0 feeds the micro-batches through its layer; every other stage receives
+    each activation from rank r - 1 (it has a micro-batch's shape) and sends its output on;
+    the last stage computes ``loss_fn(output, target)``. Then every micro-batch backward, the
+    gradient of each stage's input sent back to rank r - 1. The step's loss is the sum of the
+    micro-batches' losses; the gradients are left in the stage's ``.grad``.
+
+    The checker runs it on 3 ranks (so one stage both receives and sends each way) with 4, 1
+    and 6 micro-batches, counts the messages each rank sends and receives (one activation and
+    one gradient per micro-batch at each boundary) and compares each stage's gradients with
+    the whole model's in one process.
+
+    Args:
+        gpipe_step: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``gpipe_step`` is not a function.
+    """
+    return _check_one(_EXERCISES["gpipe_step"], (gpipe_step,), timeout)

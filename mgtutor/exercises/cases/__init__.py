@@ -106,3 +106,11 @@ def run_candidates(exercise: str, payloads: list[bytes], folder: str | None) -> 
         reports.append(runner(payload, index, folder))
         dist.barrier()
     return reports
+
+
+# --- notebook 15: pipeline parallelism ------------------------------------------------------
+from mgtutor.exercises.cases import pipeline  # noqa: E402
+from mgtutor.exercises.cases.pipeline import GPIPE_CASES  # noqa: E402
+
+__all__ += ["GPIPE_CASES"]
+EXERCISE_RUNNERS["gpipe_step"] = pipeline.run
