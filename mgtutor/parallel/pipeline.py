@@ -12,9 +12,10 @@ Notebook 15 builds what ``torch.distributed.pipelining`` does and checks it agai
   :func:`max_in_flight` counts the micro-batches whose activations a stage keeps at once.
 * :func:`run_order` runs a stage's actions, timing each as an mgtutor phase.
 
-Stage ``s`` runs on rank ``s`` of the default process group. Sends are ``dist.isend``, waited
-at the end of :func:`run_order`: with blocking sends, 1F1B deadlocks (stage 0 sends an
-activation while stage 1 sends a gradient, each waiting for the other to receive).
+Stage ``s`` runs on rank ``s`` of the default process group. Sends are ``dist.isend``: with
+blocking sends, 1F1B deadlocks (stage 0 sends an activation while stage 1 sends a gradient,
+each waiting for the other to receive). A send is waited for when the next one of its kind
+goes out, and at the end of :func:`run_order`.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class HandStage:
         self.losses: list[torch.Tensor] = []
         self.peak_in_flight = 0
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch: (in, out)
-        self._pending: list[dist.Work] = []
+        self._pending: dict[str, dist.Work] = {}  # the last send of each kind
 
     def receive(self, kind: str) -> torch.Tensor:
         """Receive one micro-batch's ``"activation"`` (from rank ``stage - 1``) or
@@ -146,13 +147,18 @@ class HandStage:
 
     def wait(self) -> None:
         """Wait until every message sent so far has been received."""
-        for work in self._pending:
+        for work in self._pending.values():
             work.wait()
         self._pending.clear()
 
     def _send(self, kind: str, tensor: torch.Tensor, peer: int) -> None:
+        # A pending send holds its tensor, and gloo marks it completed only once waited on:
+        # wait for the previous send of this kind (received by now in GPipe and 1F1B, as in
+        # torch's schedules), or every micro-batch's output would live until the step's end.
+        if kind in self._pending:
+            self._pending.pop(kind).wait()
         tensor = tensor.contiguous()
-        self._pending.append(dist.isend(tensor, dst=peer))
+        self._pending[kind] = dist.isend(tensor, dst=peer)
         self.sent.append((kind, peer, tensor.numel() * tensor.element_size()))
 
 
