@@ -145,6 +145,11 @@ class HandStage:
         """How many micro-batches' activations this stage holds now (forwarded, not backward)."""
         return len(self._kept)
 
+    def wait_sent(self, kind: str) -> None:
+        """Wait until the last ``"activation"`` or ``"gradient"`` sent has been received."""
+        if kind in self._pending:
+            self._pending.pop(kind).wait()
+
     def wait(self) -> None:
         """Wait until every message sent so far has been received."""
         for work in self._pending.values():
@@ -155,8 +160,7 @@ class HandStage:
         # A pending send holds its tensor, and gloo marks it completed only once waited on:
         # wait for the previous send of this kind (received by now in GPipe and 1F1B, as in
         # torch's schedules), or every micro-batch's output would live until the step's end.
-        if kind in self._pending:
-            self._pending.pop(kind).wait()
+        self.wait_sent(kind)
         tensor = tensor.contiguous()
         self._pending[kind] = dist.isend(tensor, dst=peer)
         self.sent.append((kind, peer, tensor.numel() * tensor.element_size()))
@@ -241,8 +245,9 @@ def run_order(
 ) -> list[tuple[str, int, float, float]]:
     """Run ``order`` on ``stage``, then wait for its sends; time each action's compute.
 
-    Receiving is timed apart from computing, as mgtutor phases "wait", "forward" and
-    "backward" (so :func:`mgtutor.plot_timeline` draws the bubble as "wait"). The first stage
+    Waiting is timed apart from computing, as mgtutor phases "wait" (receiving this action's
+    input, and the previous send of the kind it sends being received), "forward" and
+    "backward", so :func:`mgtutor.plot_timeline` draws the bubble as "wait". The first stage
     needs ``inputs`` and the last ``targets``, one per micro-batch. Sends and receives: those
     of :meth:`HandStage.forward` and :meth:`HandStage.backward` for each action.
 
@@ -255,9 +260,10 @@ def run_order(
     spans = []
     for kind, i in order:
         received = None
-        if (kind == "F" and not stage.is_first) or (kind == "B" and not stage.is_last):
-            with phase("wait"):
+        with phase("wait"):
+            if (kind == "F" and not stage.is_first) or (kind == "B" and not stage.is_last):
                 received = stage.receive("activation" if kind == "F" else "gradient")
+            stage.wait_sent("activation" if kind == "F" else "gradient")
         start = time.perf_counter()
         if kind == "F":
             with phase("forward"):
