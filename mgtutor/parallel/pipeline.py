@@ -68,7 +68,10 @@ class HandStage:
         n_stages: how many stages (= ranks) the pipeline has.
         shape: the shape of a micro-batch's activation between stages (every boundary alike).
         dtype: its dtype.
-        loss_fn: ``loss_fn(output, target) -> scalar``, used by the last stage.
+        loss_fn: ``loss_fn(output, target) -> scalar``, needed by the last stage.
+
+    Raises:
+        ValueError: the last stage was given no ``loss_fn``.
 
     Attributes:
         sent: one ``(kind, peer, nbytes)`` per message sent, kind ``"activation"`` or
@@ -89,6 +92,11 @@ class HandStage:
         self.module, self.stage, self.n_stages = module, stage, n_stages
         self.shape, self.dtype, self.loss_fn = tuple(shape), dtype, loss_fn
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        if self.is_last and loss_fn is None:
+            raise ValueError(
+                f"stage {stage} is the last of {n_stages}: it computes the loss, so give it "
+                "loss_fn(output, target)"
+            )
         self.sent: list[tuple[str, int, int]] = []
         self.losses: list[torch.Tensor] = []
         self.peak_in_flight = 0

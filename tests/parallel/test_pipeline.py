@@ -82,6 +82,12 @@ def test_split_stages_cuts_consecutive_layers_and_refuses_too_many() -> None:
         split_stages(_model(), 5)
 
 
+def test_the_last_stage_refuses_to_start_without_a_loss() -> None:
+    with pytest.raises(ValueError, match="stage 1 is the last of 2: .* give it loss_fn"):
+        HandStage(nn.Linear(2, 2), 1, 2, (1, 2))
+    HandStage(nn.Linear(2, 2), 0, 2, (1, 2))  # the first stage needs none
+
+
 def _pipeline_worker(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     mgtutor.setup(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
