@@ -13,17 +13,19 @@ The workbook's helper package. Its folders, in the order the notebooks meet them
 * :mod:`mgtutor.measure`: what the ranks measure and how it is shown: :mod:`~.measure.timing`
   (:func:`phase`, :func:`step`, :class:`StepTimer`), :mod:`~.measure.memory` (what the
   per-rank memory figures count), :mod:`~.measure.breakdown` and :mod:`~.measure.memplan`
-  (each rank's memory by category, measured and computed ahead), :mod:`~.measure.activations`
-  (the bytes a forward and backward keep alive), :mod:`~.measure.plots`,
-  :mod:`~.measure.progress` (per-rank progress bars), :mod:`~.measure.stats` (repeated
-  measurements read with their spread) and :mod:`~.measure.run` (:class:`Run`, what a launch
-  returns).
+  (each rank's memory by category, measured and computed ahead), :mod:`~.measure.planner` (a
+  transformer's memory and traffic per GPU for a layout, from formulas),
+  :mod:`~.measure.activations` (the bytes a forward and backward keep alive),
+  :mod:`~.measure.plots`, :mod:`~.measure.progress` (per-rank progress bars),
+  :mod:`~.measure.stats` (repeated measurements read with their spread) and
+  :mod:`~.measure.run` (:class:`Run`, what a launch returns).
 * :mod:`mgtutor.doctor`: what the ranks' records of their collectives (torch's Flight
   Recorder) say went wrong in a hang; :func:`~mgtutor.doctor.find_drift`, replicas that differ.
 * :mod:`mgtutor.parallel`: what the notebooks build by hand: :mod:`~.parallel.syncbn`
   (:class:`SyncBatchNorm` that also runs on CPU ranks), tensor and sequence parallelism
-  (:mod:`~.parallel.tensor`, :mod:`~.parallel.tensor_comms`) and ring attention
-  (:mod:`~.parallel.context`).
+  (:mod:`~.parallel.tensor`, :mod:`~.parallel.tensor_comms`), ring attention
+  (:mod:`~.parallel.context`), pipeline stages (:mod:`~.parallel.pipeline`) and experts
+  (:mod:`~.parallel.expert`).
 * :mod:`mgtutor.exercises`: exercises that check themselves on CPU ranks (the public
   ``check_*`` functions; their cases in :mod:`~.exercises.cases`, reference solutions in
   :mod:`~.exercises.solutions`).

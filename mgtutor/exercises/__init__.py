@@ -23,7 +23,8 @@ The checkers: :func:`check_ring_average` (notebook 02), :func:`check_exact_accur
 :func:`check_serial_fraction` (08), :func:`check_snapshot` (09),
 :func:`check_checked_all_reduce` (10), :func:`check_find_drifted` (11),
 :func:`check_bytes_per_rank` (12), :func:`check_tensor_parallel_pair` (13),
-:func:`check_merge_partials` (14).
+:func:`check_merge_partials` (14), :func:`check_gpipe_step` (15),
+:func:`check_expert_dispatch` (16).
 
 Where things are: the checkers in :mod:`.data_parallel` and :mod:`.model_parallel`, what each
 exercise is in :mod:`.catalogue`, its cases (run inside the ranks) in :mod:`.cases`, the
@@ -54,6 +55,7 @@ from mgtutor.exercises.data_parallel import (
 )
 from mgtutor.exercises.model_parallel import (
     check_expert_dispatch,
+    check_gpipe_step,
     check_merge_partials,
     check_tensor_parallel_pair,
 )
@@ -68,6 +70,7 @@ __all__ = [
     "check_exact_accuracy",
     "check_find_drifted",
     "check_global_batch_stats",
+    "check_gpipe_step",
     "check_merge_partials",
     "check_ring_average",
     "check_serial_fraction",
@@ -90,10 +93,8 @@ def _check(
     :func:`mgtutor.exercises.checking._check`.
 
     Args:
-        exercise: the exercise, or its key in ``_EXERCISES`` ("ring_average", "exact_accuracy",
-            "accumulate", "snapshot", "global_batch_stats", "checked_all_reduce",
-            "bytes_per_rank", "assign_buckets", "shard_indices", "serial_fraction",
-            "find_drifted", "tensor_parallel_pair", "merge_partials").
+        exercise: the exercise, or its key in :data:`.catalogue.EXERCISES`
+            ("ring_average", "gpipe_step", ...).
         candidates: tuples of the functions the exercise takes.
         timeout: seconds per launch, from when every rank started.
         label: added to each result's name ("reference solution").

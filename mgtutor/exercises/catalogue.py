@@ -13,14 +13,15 @@ from mgtutor.exercises.cases import (
     BUCKET_CASES,
     BYTES_CASES,
     CHECKED_CASES,
+    DISPATCH_CASES,
     DRIFT_CASES,
+    GPIPE_CASES,
     MERGE_CASES,
     PAIR_CASES,
     RING_CASES,
     SCALING_CASES,
     SHARD_CASES,
 )
-from mgtutor.exercises.cases.expert_dispatch import DISPATCH_CASES
 from mgtutor.exercises.checking import _Exercise
 
 __all__ = ["EXERCISES"]
@@ -163,15 +164,30 @@ EXERCISES = {
             "the function does not return: it needs no collective and no loop, a few tensor "
             "operations on its four arguments",
         ),
+        _Exercise(
+            "gpipe_step",
+            "gpipe_step",
+            ("gpipe_step",),
+            3,
+            tuple(case for case, *_ in GPIPE_CASES),
+            "a recv that no send matches waits forever: stage r receives activations from rank "
+            "r - 1 and gradients from rank r + 1, as many of each as there are micro-batches; "
+            "the first stage receives no activation and the last no gradient",
+            {
+                "TypeError": "a send of None (got <class 'NoneType'>) is the gradient of a "
+                "received activation that did not require grad: call x.requires_grad_(True) "
+                "after the recv, or backward leaves x.grad as None and there is nothing to send "
+                "back",
+            },
+        ),
+        _Exercise(
+            "expert_dispatch",
+            "plan_dispatch",
+            ("plan_dispatch",),
+            2,
+            tuple(case for case, *_ in DISPATCH_CASES),
+            "the function does not return: it needs no collective and no loop over ranks, a "
+            "sort and two counts of the router's choices",
+        ),
     )
 }
-
-EXERCISES["expert_dispatch"] = _Exercise(
-    "expert_dispatch",
-    "plan_dispatch",
-    ("plan_dispatch",),
-    2,
-    tuple(case for case, *_ in DISPATCH_CASES),
-    "the function does not return: it needs no collective and no loop over ranks, a sort and "
-    "two counts of the router's choices",
-)

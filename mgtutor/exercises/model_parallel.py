@@ -8,7 +8,12 @@ from typing import Any
 from mgtutor.exercises.catalogue import EXERCISES
 from mgtutor.exercises.checking import CheckResult, _check_one
 
-__all__ = ["check_tensor_parallel_pair", "check_merge_partials"]
+__all__ = [
+    "check_tensor_parallel_pair",
+    "check_merge_partials",
+    "check_gpipe_step",
+    "check_expert_dispatch",
+]
 
 
 def check_tensor_parallel_pair(
@@ -77,7 +82,33 @@ def check_merge_partials(
     return _check_one(EXERCISES["merge_partials"], (merge_partials,), timeout)
 
 
-__all__ += ["check_expert_dispatch"]
+def check_gpipe_step(gpipe_step: Callable[..., Any], *, timeout: float = 30.0) -> CheckResult:
+    """Check one GPipe step of a pipeline stage built from send and recv, as in notebook 15.
+
+    The exercise: write ``gpipe_step(stage_module, micro_batches, targets, loss_fn) -> None``.
+    Rank r holds stage r (``stage_module``); every rank gets the same micro-batches and
+    targets. Stage 0 feeds the micro-batches through its layer; every other stage receives
+    each activation from rank r - 1 (it has a micro-batch's shape) and sends its output on;
+    the last stage computes ``loss_fn(output, target)``. Then every micro-batch backward, the
+    gradient of each stage's input sent back to rank r - 1. The step's loss is the sum of the
+    micro-batches' losses; the gradients are left in the stage's ``.grad``.
+
+    The checker runs it on 3 ranks (so one stage both receives and sends each way) with 4, 1
+    and 6 micro-batches, counts the messages each rank sends and receives (one activation and
+    one gradient per micro-batch at each boundary) and compares each stage's gradients with
+    the whole model's in one process.
+
+    Args:
+        gpipe_step: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``gpipe_step`` is not a function.
+    """
+    return _check_one(EXERCISES["gpipe_step"], (gpipe_step,), timeout)
 
 
 def check_expert_dispatch(

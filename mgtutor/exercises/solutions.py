@@ -268,3 +268,35 @@ def plan_dispatch(
     per_expert = torch.bincount(flat[kept], minlength=experts_per_rank * world)
     send = per_expert.reshape(world, experts_per_rank).sum(1).tolist()
     return order, per_expert, send
+
+
+# --- notebook 15: pipeline parallelism ------------------------------------------------------
+__all__ += ["gpipe_step"]
+
+
+def gpipe_step(stage_module: Any, micro_batches: list, targets: list, loss_fn: Any) -> None:
+    """One GPipe step of stage ``rank``: every micro-batch forward, then every one backward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kept, sends = [], []
+    for x, target in zip(micro_batches, targets):
+        if rank > 0:  # the activation from the stage before, same shape as a micro-batch here
+            x = torch.empty_like(x)
+            dist.recv(x, src=rank - 1)
+            x.requires_grad_(True)  # so that backward fills x.grad, sent back to rank - 1
+        out = stage_module(x)
+        if rank < world - 1:
+            sends.append(dist.isend(out.detach(), dst=rank + 1))
+        else:
+            out = loss_fn(out, target)  # the step's loss is the sum of these: never divided
+        kept.append((x, out))
+    for x, out in kept:
+        if rank < world - 1:
+            grad = torch.empty_like(out)
+            dist.recv(grad, src=rank + 1)
+            out.backward(grad)
+        else:
+            out.backward()
+        if rank > 0:
+            sends.append(dist.isend(x.grad, dst=rank - 1))
+    for work in sends:
+        work.wait()

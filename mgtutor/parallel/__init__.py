@@ -10,6 +10,11 @@
 * :mod:`.context`: ring attention by hand (key-value blocks round a send/recv ring, partial
   results merged by their log-sum-exps, differentiable), and the contiguous and zig-zag
   splits of a sequence (notebook 14).
+* :mod:`.pipeline`: a model cut into stages, a stage that sends activations forward and
+  gradients back with send/recv, the GPipe and 1F1B orders and their bubble (notebook 15).
+* :mod:`.expert`: a top-k router, the all-to-all that dispatches tokens to their experts' ranks
+  and combines them back, and a mixture-of-experts layer whose ranks hold only their experts
+  (notebook 16).
 
 Nothing here is imported by ``import mgtutor.parallel``: import the module you need (each
 imports torch).

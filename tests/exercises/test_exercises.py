@@ -1021,3 +1021,91 @@ def test_expert_dispatch_passes_the_reference_and_catches_each_classic_mistake()
     assert _failed_with(by_rank, "24 tokens", "by rank, but mixed within a rank"), by_rank
     assert _failed_with(no_capacity, "capacity factor 1.0", "marks as dropped"), no_capacity
     assert _failed_with(no_minlength, "no token chooses", "minlength"), no_minlength
+
+
+# --- notebook 15: pipeline parallelism ------------------------------------------------------
+
+
+def _gpipe_variant(stage_module, micro_batches, targets, loss_fn, *, scale=1.0, zero=False):
+    """The reference GPipe step, with one of a learner's plausible mistakes switched on."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kept, sends = [], []
+    for x, target in zip(micro_batches, targets):
+        if rank > 0:
+            x = torch.empty_like(x)
+            dist.recv(x, src=rank - 1)
+            x.requires_grad_(True)
+        out = stage_module(x)
+        if rank < world - 1:
+            sends.append(dist.isend(out.detach(), dst=rank + 1))
+        else:
+            out = loss_fn(out, target) * scale
+        kept.append((x, out))
+    for x, out in kept:
+        if zero:
+            stage_module.zero_grad()
+        if rank < world - 1:
+            grad = torch.empty_like(out)
+            dist.recv(grad, src=rank + 1)
+            out.backward(grad)
+        else:
+            out.backward()
+        if rank > 0:
+            sends.append(dist.isend(x.grad, dst=rank - 1))
+    for work in sends:
+        work.wait()
+
+
+def gpipe_mean_of_micro_batch_losses(stage_module, micro_batches, targets, loss_fn):
+    _gpipe_variant(stage_module, micro_batches, targets, loss_fn, scale=1 / len(micro_batches))
+
+
+def gpipe_zero_grad_per_micro_batch(stage_module, micro_batches, targets, loss_fn):
+    _gpipe_variant(stage_module, micro_batches, targets, loss_fn, zero=True)
+
+
+def gpipe_whole_batch_at_once(stage_module, micro_batches, targets, loss_fn):
+    solutions.gpipe_step(stage_module, [torch.cat(micro_batches)], [torch.cat(targets)], loss_fn)
+
+
+def gpipe_input_without_grad(stage_module, micro_batches, targets, loss_fn):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    kept = []
+    for x, target in zip(micro_batches, targets):
+        if rank > 0:
+            x = torch.empty_like(x)
+            dist.recv(x, src=rank - 1)
+        out = stage_module(x)
+        if rank < world - 1:
+            dist.send(out.detach(), dst=rank + 1)
+        else:
+            out = loss_fn(out, target)
+        kept.append((x, out))
+    for x, out in kept:
+        if rank < world - 1:
+            grad = torch.empty_like(out)
+            dist.recv(grad, src=rank + 1)
+            out.backward(grad)
+        else:
+            out.backward()
+        if rank > 0:
+            dist.send(x.grad, dst=rank - 1)
+
+
+def test_gpipe_step_passes_the_reference_and_catches_each_classic_mistake() -> None:
+    reference, mean, zeroed, whole, no_grad = exercises._check(
+        "gpipe_step",
+        [
+            (solutions.gpipe_step,),
+            (gpipe_mean_of_micro_batch_losses,),
+            (gpipe_zero_grad_per_micro_batch,),
+            (gpipe_whole_batch_at_once,),
+            (gpipe_input_without_grad,),
+        ],
+        timeout=30.0,
+    )
+    assert reference.passed, reference
+    assert _failed_with(mean, "4 micro-batches", "divided by 4", "scale_grads"), mean
+    assert _failed_with(zeroed, "4 micro-batches", "last micro-batch alone", "add up"), zeroed
+    assert _failed_with(whole, "4 micro-batches", "1 message(s), expected 4"), whole
+    assert no_grad.status == "failed" and "requires_grad_(True)" in no_grad.hint, no_grad

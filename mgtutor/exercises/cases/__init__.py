@@ -31,7 +31,9 @@ from mgtutor.exercises.cases import (
     bytes_per_rank,
     checked_all_reduce,
     drift,
+    expert_dispatch,
     merge_partials,
+    pipeline,
     ring,
     scaling,
     shards,
@@ -46,7 +48,9 @@ from mgtutor.exercises.cases.buckets import BUCKET_CASES
 from mgtutor.exercises.cases.bytes_per_rank import BYTES_CASES
 from mgtutor.exercises.cases.checked_all_reduce import CHECKED_CASES
 from mgtutor.exercises.cases.drift import DRIFT_CASES
+from mgtutor.exercises.cases.expert_dispatch import DISPATCH_CASES
 from mgtutor.exercises.cases.merge_partials import MERGE_CASES
+from mgtutor.exercises.cases.pipeline import GPIPE_CASES
 from mgtutor.exercises.cases.ring import RING_CASES
 from mgtutor.exercises.cases.scaling import SCALING_CASES
 from mgtutor.exercises.cases.shards import SHARD_CASES
@@ -60,7 +64,9 @@ __all__ = [
     "BUCKET_CASES",
     "BYTES_CASES",
     "CHECKED_CASES",
+    "DISPATCH_CASES",
     "DRIFT_CASES",
+    "GPIPE_CASES",
     "EXERCISE_RUNNERS",
     "MERGE_CASES",
     "RING_CASES",
@@ -88,14 +94,9 @@ EXERCISE_RUNNERS: dict[str, Callable[[bytes, int, str | None], list[Finding]]] =
     "find_drifted": drift.run,
     "merge_partials": merge_partials.run,
     "tensor_parallel_pair": tensor_pair.run,
+    "gpipe_step": pipeline.run,
+    "expert_dispatch": expert_dispatch.run,
 }
-
-
-from mgtutor.exercises.cases import expert_dispatch  # noqa: E402
-from mgtutor.exercises.cases.expert_dispatch import DISPATCH_CASES  # noqa: E402
-
-__all__ += ["DISPATCH_CASES"]
-EXERCISE_RUNNERS["expert_dispatch"] = expert_dispatch.run
 
 
 def run_candidates(exercise: str, payloads: list[bytes], folder: str | None) -> list[list[Finding]]:

@@ -1,0 +1,172 @@
+"""Notebook 15's exercise: one GPipe step of a pipeline stage, built from send and recv.
+
+The learner writes ``gpipe_step(stage_module, micro_batches, targets, loss_fn)``; every rank
+calls it with its own stage (rank r holds layer r of the model). Each rank computes the
+expected gradients of its layer from the whole model in one process, so no rank trusts another,
+and counts the learner's messages by wrapping ``dist.send``, ``isend``, ``recv`` and ``irecv``
+while the learner's function runs.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mgtutor.exercises.cases._common import Finding, _call, _everyone_ok, _finding
+
+__all__ = ["GPIPE_CASES", "run"]
+
+HIDDEN = 4
+GPIPE_CASES = (  # label, micro-batches, rows in each, seed
+    ("4 micro-batches of 2 rows through 3 stages", 4, 2, 0),
+    ("1 micro-batch of 3 rows: no pipelining at all, the same messages", 1, 3, 1),
+    ("6 micro-batches of 1 row", 6, 1, 2),
+)
+
+
+def _sum_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).sum()
+
+
+def _case(world: int, n_micro: int, rows: int, seed: int) -> tuple[nn.Sequential, list, list]:
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(world)]
+    )
+    model = model.double()
+    x = torch.randn(n_micro, rows, HIDDEN, generator=gen, dtype=torch.float64)
+    y = torch.randn(n_micro, rows, HIDDEN, generator=gen, dtype=torch.float64)
+    return model, list(x), list(y)
+
+
+@contextmanager
+def _counting() -> Iterator[dict[str, list[int]]]:
+    """Count the learner's point-to-point messages, by peer, while the block runs."""
+    counts: dict[str, list[int]] = {"sent to": [], "received from": []}
+    originals = {name: getattr(dist, name) for name in ("send", "isend", "recv", "irecv")}
+
+    def wrap(name: str, key: str, peer_arg: str) -> Any:
+        def counted(tensor: torch.Tensor, peer: int | None = None, *args: Any, **kwargs: Any):
+            peer = kwargs.get(peer_arg, peer)
+            counts[key].append(peer)
+            if peer_arg in kwargs:
+                return originals[name](tensor, *args, **kwargs)
+            return originals[name](tensor, peer, *args, **kwargs)
+
+        return counted
+
+    for name in ("send", "isend"):
+        setattr(dist, name, wrap(name, "sent to", "dst"))
+    for name in ("recv", "irecv"):
+        setattr(dist, name, wrap(name, "received from", "src"))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
+    (fn,) = cloudpickle.loads(payload)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    findings = []
+    for case, n_micro, rows, seed in GPIPE_CASES:
+        model, xs, ys = _case(world, n_micro, rows, seed)
+        stage = copy.deepcopy(model[rank])
+        with _counting() as counts:
+            _call(
+                index, case, fn, stage, [x.clone() for x in xs], [y.clone() for y in ys], _sum_mse
+            )
+        dist.barrier()
+        findings.append(_diagnose(case, stage, model, xs, ys, counts, rank, world))
+        if not _everyone_ok(findings[-1]):
+            break
+    return findings
+
+
+def _grads(module: nn.Module) -> list[torch.Tensor | None]:
+    return [p.grad for p in module.parameters()]
+
+
+def _close(got: list, want: list) -> bool:
+    return all(
+        g is not None and torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got, want)
+    )
+
+
+def _diagnose(
+    case: str,
+    stage: nn.Module,
+    model: nn.Sequential,
+    xs: list,
+    ys: list,
+    counts: dict[str, list[int]],
+    rank: int,
+    world: int,
+) -> Finding:
+    n_micro = len(xs)
+    expected_counts = {
+        "sent to": [rank + 1] * n_micro * (rank < world - 1) + [rank - 1] * n_micro * (rank > 0),
+        "received from": [rank - 1] * n_micro * (rank > 0)
+        + [rank + 1] * n_micro * (rank < world - 1),
+    }
+    for key, peers in counts.items():
+        for peer in sorted(set(expected_counts[key]) | set(peers)):
+            got, want = peers.count(peer), expected_counts[key].count(peer)
+            if got != want:
+                what = "activations" if (peer > rank) == (key == "sent to") else "gradients"
+                return _finding(
+                    case,
+                    f"stage {rank} {key} rank {peer} {got} message(s), expected {want}: "
+                    f"one of the {what} per micro-batch",
+                    "with dist.send/isend and dist.recv/irecv, each micro-batch's activation "
+                    "goes forward once and the gradient of it comes back once, at every "
+                    "boundary between stages (not the whole batch at once, not a collective)",
+                )
+    model.zero_grad(set_to_none=True)
+    sum(_sum_mse(model(x), y) for x, y in zip(xs, ys)).backward()
+    want = _grads(model[rank])
+    got = _grads(stage)
+    if _close(got, want):
+        return _finding(case)
+    if any(g is None for g in got):
+        return _finding(
+            case,
+            f"stage {rank}'s parameters have no gradient after the step",
+            "run backward on every stage: the last from its loss, the others from the "
+            "gradient of their output received from the next stage (output.backward(grad))",
+        )
+    if n_micro > 1 and _close(got, [w / n_micro for w in want]):
+        return _finding(
+            case,
+            f"stage {rank}'s gradients are the expected ones divided by {n_micro}, the number "
+            "of micro-batches",
+            "the step's loss is the sum of the micro-batches' losses: do not divide (torch's "
+            "schedules divide by default, scale_grads=True, for a loss that is a mean)",
+        )
+    model.zero_grad(set_to_none=True)
+    _sum_mse(model(xs[-1]), ys[-1]).backward()
+    if n_micro > 1 and _close(got, _grads(model[rank])):
+        return _finding(
+            case,
+            f"stage {rank}'s gradients are those of the last micro-batch alone",
+            "the micro-batches' gradients add up in .grad: do not zero them between "
+            "micro-batches (zero them before the step, if at all)",
+        )
+    return _finding(
+        case,
+        f"stage {rank}'s gradients differ from one process's (largest difference "
+        f"{max((g - w).abs().max().item() for g, w in zip(got, want)):.3g})",
+        "stage r's forward takes the activation received from rank r - 1 (the micro-batch "
+        "itself on rank 0) and sends its output to rank r + 1; the last stage adds "
+        "loss_fn(output, target) per micro-batch; backward goes the other way",
+        knock_on=True,
+    )

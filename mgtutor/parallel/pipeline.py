@@ -1,0 +1,285 @@
+"""Pipeline parallelism by hand: a model cut into stages, one per rank, joined by send/recv.
+
+Notebook 15 builds what ``torch.distributed.pipelining`` does and checks it against torch:
+
+* :func:`split_stages` cuts an ``nn.Sequential`` into consecutive stages.
+* :class:`HandStage` is one stage on its rank: its forward receives the activation from the
+  stage before and sends its output to the stage after; its backward receives the gradient of
+  its output from the stage after and sends the gradient of its input to the stage before.
+* :func:`gpipe_order` and :func:`one_f_one_b_order` are the two classic schedules, as the list
+  of actions each stage runs; :func:`tick_table` plays them with one tick per action, which
+  gives the bubble exactly; :func:`bubble_fraction` is the formula it matches;
+  :func:`max_in_flight` counts the micro-batches whose activations a stage keeps at once.
+* :func:`run_order` runs a stage's actions, timing each as an mgtutor phase.
+
+Stage ``s`` runs on rank ``s`` of the default process group. Sends are ``dist.isend``: with
+blocking sends, 1F1B deadlocks (stage 0 sends an activation while stage 1 sends a gradient,
+each waiting for the other to receive). A send is waited for when the next one of its kind
+goes out, and at the end of :func:`run_order`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = [
+    "HandStage",
+    "bubble_fraction",
+    "gpipe_order",
+    "max_in_flight",
+    "one_f_one_b_order",
+    "run_order",
+    "split_stages",
+    "tick_table",
+]
+
+Action = tuple[str, int]  # ("F", micro-batch) or ("B", micro-batch)
+
+
+def split_stages(model: nn.Sequential, n_stages: int) -> list[nn.Sequential]:
+    """Cut ``model`` into ``n_stages`` runs of consecutive layers (the first ones get any extra).
+
+    The stages share the model's parameters (no copy); parameter names keep their index in
+    ``model`` (``"2.weight"``), so a stage's gradients can be compared with the whole model's.
+
+    Example:
+        >>> split_stages(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]), 2)[1]
+        Sequential((2): Linear(...) (3): Linear(...))
+    """
+    if not 1 <= n_stages <= len(model):
+        raise ValueError(f"cannot cut {len(model)} layers into {n_stages} stages")
+    size, extra = divmod(len(model), n_stages)
+    bounds = [i * size + min(i, extra) for i in range(n_stages + 1)]
+    return [model[bounds[i] : bounds[i + 1]] for i in range(n_stages)]
+
+
+class HandStage:
+    """One pipeline stage on its rank, with the messages it exchanges made explicit.
+
+    Args:
+        module: this stage's layers.
+        stage: its index; it runs on rank ``stage`` and talks to ranks ``stage - 1`` and
+            ``stage + 1``.
+        n_stages: how many stages (= ranks) the pipeline has.
+        shape: the shape of a micro-batch's activation between stages (every boundary alike).
+        dtype: its dtype.
+        loss_fn: ``loss_fn(output, target) -> scalar``, needed by the last stage.
+
+    Raises:
+        ValueError: the last stage was given no ``loss_fn``.
+
+    Attributes:
+        sent: one ``(kind, peer, nbytes)`` per message sent, kind ``"activation"`` or
+            ``"gradient"``.
+        losses: the last stage's loss per micro-batch, in the order computed.
+        peak_in_flight: the most micro-batches whose activations it held at once.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage: int,
+        n_stages: int,
+        shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.module, self.stage, self.n_stages = module, stage, n_stages
+        self.shape, self.dtype, self.loss_fn = tuple(shape), dtype, loss_fn
+        self.is_first, self.is_last = stage == 0, stage == n_stages - 1
+        if self.is_last and loss_fn is None:
+            raise ValueError(
+                f"stage {stage} is the last of {n_stages}: it computes the loss, so give it "
+                "loss_fn(output, target)"
+            )
+        self.sent: list[tuple[str, int, int]] = []
+        self.losses: list[torch.Tensor] = []
+        self.peak_in_flight = 0
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch: (in, out)
+        self._pending: dict[str, dist.Work] = {}  # the last send of each kind
+
+    def receive(self, kind: str) -> torch.Tensor:
+        """Receive one micro-batch's ``"activation"`` (from rank ``stage - 1``) or
+        ``"gradient"`` (from rank ``stage + 1``), of ``shape``; sends nothing."""
+        peer = self.stage - 1 if kind == "activation" else self.stage + 1
+        tensor = torch.empty(self.shape, dtype=self.dtype)
+        dist.recv(tensor, src=peer)
+        return tensor
+
+    def forward(
+        self, i: int, x: torch.Tensor | None = None, target: torch.Tensor | None = None
+    ) -> None:
+        """Forward micro-batch ``i``; keep its input and output until its backward.
+
+        Receives: the activation from rank ``stage - 1`` (unless first, or ``x`` is given: the
+        micro-batch itself on the first stage, an activation already received on the others).
+        Sends: its output to rank ``stage + 1``, unless last (that computes the loss with
+        ``target``).
+        """
+        if x is None:
+            x = self.receive("activation")
+        if not self.is_first:
+            x.requires_grad_(True)
+        out = self.module(x)
+        if self.is_last:
+            out = self.loss_fn(out, target)
+            self.losses.append(out.detach())
+        else:
+            self._send("activation", out.detach(), self.stage + 1)
+        self._kept[i] = (x, out)
+        self.peak_in_flight = max(self.peak_in_flight, len(self._kept))
+
+    def backward(self, i: int, grad: torch.Tensor | None = None) -> None:
+        """Backward micro-batch ``i``, adding its gradients to the parameters' ``.grad``.
+
+        Receives: the gradient of its output from rank ``stage + 1`` (unless last, which starts
+        from its loss, or ``grad`` is given). Sends: the gradient of its input to rank
+        ``stage - 1``, unless first.
+        """
+        x, out = self._kept.pop(i)
+        if self.is_last:
+            out.backward()
+        else:
+            out.backward(self.receive("gradient") if grad is None else grad)
+        if not self.is_first:
+            self._send("gradient", x.grad, self.stage - 1)
+
+    def in_flight(self) -> int:
+        """How many micro-batches' activations this stage holds now (forwarded, not backward)."""
+        return len(self._kept)
+
+    def wait_sent(self, kind: str) -> None:
+        """Wait until the last ``"activation"`` or ``"gradient"`` sent has been received."""
+        if kind in self._pending:
+            self._pending.pop(kind).wait()
+
+    def wait(self) -> None:
+        """Wait until every message sent so far has been received."""
+        for work in self._pending.values():
+            work.wait()
+        self._pending.clear()
+
+    def _send(self, kind: str, tensor: torch.Tensor, peer: int) -> None:
+        # A pending send holds its tensor, and gloo marks it completed only once waited on:
+        # wait for the previous send of this kind (received by now in GPipe and 1F1B, as in
+        # torch's schedules), or every micro-batch's output would live until the step's end.
+        self.wait_sent(kind)
+        tensor = tensor.contiguous()
+        self._pending[kind] = dist.isend(tensor, dst=peer)
+        self.sent.append((kind, peer, tensor.numel() * tensor.element_size()))
+
+
+def gpipe_order(n_micro: int) -> list[Action]:
+    """GPipe: every micro-batch forward, then every one backward (the same on every stage)."""
+    return [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
+
+
+def one_f_one_b_order(stage: int, n_stages: int, n_micro: int) -> list[Action]:
+    """1F1B: ``n_stages - 1 - stage`` forwards to fill the pipe, then one forward and one
+    backward in turn, then the backwards left (as torch's ``Schedule1F1B``)."""
+    warmup = min(n_stages - 1 - stage, n_micro)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(warmup, n_micro):
+        order += [("F", i), ("B", i - warmup)]
+    return order + [("B", i) for i in range(n_micro - warmup, n_micro)]
+
+
+def tick_table(orders: Sequence[Sequence[Action]]) -> list[list[Action | None]]:
+    """Play each stage's actions with one tick per action, as early as the data allows.
+
+    ``F`` of micro-batch i on stage s waits for ``F`` i on stage s - 1; ``B`` i on stage s for
+    ``B`` i on stage s + 1 (the last stage's ``B`` for its own ``F``). A stage runs its actions
+    in its order.
+
+    Returns:
+        One row per stage: what it runs at each tick, None when idle (the bubble).
+
+    Raises:
+        ValueError: the orders wait for each other forever (a deadlock).
+    """
+    n = len(orders)
+    done: dict[tuple[int, str, int], int] = {}  # (stage, kind, mb): the tick it finished
+    position, rows, tick = [0] * n, [[] for _ in range(n)], 0
+    while any(position[s] < len(orders[s]) for s in range(n)):
+        ran = False
+        for s in range(n):
+            if position[s] == len(orders[s]):
+                rows[s].append(None)
+                continue
+            kind, i = orders[s][position[s]]
+            need = (s - 1, "F", i) if kind == "F" else (s + 1, "B", i)
+            if kind == "B" and s == n - 1:
+                need = (s, "F", i)
+            if (kind == "F" and s == 0) or done.get(need, tick) < tick:
+                rows[s].append((kind, i))
+                done[(s, kind, i)] = tick
+                position[s] += 1
+                ran = True
+            else:
+                rows[s].append(None)
+        if not ran:
+            raise ValueError(f"the orders deadlock at tick {tick}: positions {position}")
+        tick += 1
+    while all(row and row[-1] is None for row in rows):
+        for row in rows:
+            row.pop()
+    return rows
+
+
+def bubble_fraction(n_stages: int, n_micro: int) -> float:
+    """The idle share of a GPipe or 1F1B step with equal ticks: ``(p - 1) / (m + p - 1)``."""
+    return (n_stages - 1) / (n_micro + n_stages - 1)
+
+
+def max_in_flight(order: Sequence[Action]) -> int:
+    """The most micro-batches forwarded and not yet backward at once, in this order."""
+    live, most = 0, 0
+    for kind, _ in order:
+        live += 1 if kind == "F" else -1
+        most = max(most, live)
+    return most
+
+
+def run_order(
+    stage: HandStage,
+    order: Sequence[Action],
+    inputs: Sequence[torch.Tensor] | None = None,
+    targets: Sequence[torch.Tensor] | None = None,
+) -> list[tuple[str, int, float, float]]:
+    """Run ``order`` on ``stage``, then wait for its sends; time each action's compute.
+
+    Waiting is timed apart from computing, as mgtutor phases "wait" (receiving this action's
+    input, and the previous send of the kind it sends being received), "forward" and
+    "backward", so :func:`mgtutor.plot_timeline` draws the bubble as "wait". The first stage
+    needs ``inputs`` and the last ``targets``, one per micro-batch. Sends and receives: those
+    of :meth:`HandStage.forward` and :meth:`HandStage.backward` for each action.
+
+    Returns:
+        One ``(kind, micro-batch, start, end)`` per action, ``perf_counter`` seconds of its
+        compute alone.
+    """
+    from mgtutor.measure.timing import phase
+
+    spans = []
+    for kind, i in order:
+        received = None
+        with phase("wait"):
+            if (kind == "F" and not stage.is_first) or (kind == "B" and not stage.is_last):
+                received = stage.receive("activation" if kind == "F" else "gradient")
+            stage.wait_sent("activation" if kind == "F" else "gradient")
+        start = time.perf_counter()
+        if kind == "F":
+            with phase("forward"):
+                x = inputs[i] if stage.is_first else received
+                stage.forward(i, x, targets[i] if stage.is_last else None)
+        else:
+            with phase("backward"):
+                stage.backward(i, received)
+        spans.append((kind, i, start, time.perf_counter()))
+    stage.wait()
+    return spans
