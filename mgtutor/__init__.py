@@ -9,7 +9,7 @@ The workbook's helper package. Its folders, in the order the notebooks meet them
   between notebook and ranks, relaying output, supervision and clean-up.
 * :mod:`mgtutor.worker`: :func:`setup` joins the process group inside a worker (also under
   torchrun and SLURM); :func:`teardown` leaves it.
-* :mod:`mgtutor.errors`: :class:`WorkerError` and :class:`WorkerTimeout`.
+* :mod:`mgtutor.errors`: :class:`WorkerError`, :class:`WorkerTimeout` and :class:`ArgumentError`.
 * :mod:`mgtutor.measure`: what the ranks measure and how it is shown: :mod:`~.measure.timing`
   (:func:`phase`, :func:`step`, :class:`StepTimer`), :mod:`~.measure.memory` (what the
   per-rank memory figures count), :mod:`~.measure.breakdown` and :mod:`~.measure.memplan`
@@ -44,7 +44,7 @@ import os
 import sys
 
 from mgtutor.checkpoint import load_checkpoint, save_checkpoint
-from mgtutor.errors import WorkerError, WorkerTimeout
+from mgtutor.errors import ArgumentError, WorkerError, WorkerTimeout
 from mgtutor.hardware import HardwareInfo, describe_hardware
 from mgtutor.interactive import Experiment
 from mgtutor.launcher.launch import launch
@@ -64,6 +64,7 @@ from mgtutor.measure.timing import PhaseRecord, StepTimer, phase, step, timer
 from mgtutor.worker import backend_for, get_contract, setup, teardown
 
 __all__ = [
+    "ArgumentError",
     "Experiment",
     "HardwareInfo",
     "SyncBatchNorm",

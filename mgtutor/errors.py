@@ -18,7 +18,7 @@ import os
 import pickle
 from typing import Any
 
-__all__ = ["WorkerError", "WorkerTimeout", "PicklingError", "FULL_TRACEBACK_ENV"]
+__all__ = ["ArgumentError", "WorkerError", "WorkerTimeout", "PicklingError", "FULL_TRACEBACK_ENV"]
 
 FULL_TRACEBACK_ENV = "MGTUTOR_FULL_TRACEBACK"
 _HOW_TO_SEE_ALL = (
@@ -98,6 +98,15 @@ def _calls_outside_mgtutor(error: BaseException, shell: Any) -> list[str]:
         if source:
             lines.append(f"    {source}")
     return lines
+
+
+class ArgumentError(_MessageFirst, ValueError, TypeError):
+    """A launch, a pool call or a ``%%ddp`` line was given a bad argument; nothing was started.
+
+    Both a :class:`ValueError` and a :class:`TypeError` (what Python raises for a bad value or
+    type), so ``except ValueError`` and ``except TypeError`` keep catching it; in a notebook it
+    shows its message first, like the other errors here.
+    """
 
 
 class PicklingError(_MessageFirst, pickle.PicklingError):

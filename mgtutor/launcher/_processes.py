@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from mgtutor.errors import ArgumentError
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._messages import Context
 from mgtutor.launcher._rank import RankSpec, die_with_parent, rank_main
@@ -67,22 +68,24 @@ def check_arguments(
 ) -> None:
     """Refuse bad arguments before any process starts, saying what to pass instead."""
     if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise TypeError(f"world_size must be a whole number, got {world_size!r}")
+        raise ArgumentError(f"world_size must be a whole number, got {world_size!r}")
     if world_size < 1:
-        raise ValueError(f"world_size must be at least 1 (one worker per rank), got {world_size}")
+        raise ArgumentError(
+            f"world_size must be at least 1 (one worker per rank), got {world_size}"
+        )
     if backend is not None and backend not in BACKENDS:
-        raise ValueError(
+        raise ArgumentError(
             f"backend must be one of {BACKENDS} or None (choose for me), got {backend!r}"
         )
     for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
         if value is not None and (
             isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
         ):
-            raise ValueError(
+            raise ArgumentError(
                 f"{name} must be a positive number of seconds or None (no limit), got {value!r}"
             )
     if start_method is not None and start_method not in START_METHODS:
-        raise ValueError(
+        raise ArgumentError(
             f"start_method must be one of {START_METHODS} (or None for "
             f"{DEFAULT_START_METHOD!r}), got {start_method!r}. 'fork' is not offered: a forked "
             f"rank inherits the notebook's CUDA state and fails once CUDA was used there."
@@ -100,7 +103,7 @@ def check_arguments(
                 if not dist.is_nccl_available()
                 else f"CUDA sees {gpus} GPU(s)"
             )
-            raise ValueError(
+            raise ArgumentError(
                 f"backend='nccl' needs one GPU per rank: world_size={world_size}, but {why}. "
                 f"Use backend='gloo' (or None to choose automatically), or world_size<={gpus}."
             )

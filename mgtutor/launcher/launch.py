@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from mgtutor.errors import ArgumentError
 from mgtutor.launcher import _processes, _send
 from mgtutor.launcher._handle import with_wall_time
 from mgtutor.launcher._processes import DEFAULT_START_METHOD, START_METHODS
@@ -100,7 +101,7 @@ def launch(
         [30.0, 30.0]
     """
     if not callable(fn):
-        raise TypeError(f"launch needs a function to run in every worker, got {fn!r}")
+        raise ArgumentError(f"launch needs a function to run in every worker, got {fn!r}")
     if _processes.in_worker_bootstrap():
         raise RuntimeError(
             "mgtutor.launch() was called while a worker process was starting up. Put the code "

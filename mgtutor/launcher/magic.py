@@ -35,6 +35,7 @@ import shlex
 import symtable
 from typing import Any
 
+from mgtutor.errors import ArgumentError
 from mgtutor.launcher._report import Wording
 from mgtutor.launcher.pool import Pool
 
@@ -175,12 +176,14 @@ def _parse_ranks(text: str) -> list[int]:
     try:
         return [int(part) for part in text.replace(" ", "").split(",") if part]
     except ValueError:
-        raise ValueError(f"--ranks takes rank numbers separated by commas, got {text!r}") from None
+        raise ArgumentError(
+            f"--ranks takes rank numbers separated by commas, got {text!r}"
+        ) from None
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
-        raise ValueError(f"{self.prog}: {message}. See %{self.prog}? for the options.")
+        raise ArgumentError(f"{self.prog}: {message}. See %{self.prog}? for the options.")
 
 
 def _cell_parser() -> _Parser:
@@ -299,7 +302,7 @@ def ddp_push(line: str) -> None:
     space = _user_namespace()
     missing = [n for n in names if n not in space]
     if not names or missing:
-        raise ValueError(
+        raise ArgumentError(
             f"%ddp_push takes names the notebook has, e.g. %ddp_push lr model; "
             f"{'the notebook has no ' + ', '.join(missing) if missing else 'no names given'}"
         )

@@ -34,6 +34,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from mgtutor.doctor import DUMP_PATH_ENV
+from mgtutor.errors import ArgumentError
 from mgtutor.launcher import _handle, _namespace, _processes, _send
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._messages import Call, Exit
@@ -258,7 +259,7 @@ class Pool:
                 the pool kept, or the ranks stopped when they could not be interrupted.
         """
         if not callable(fn):
-            raise TypeError(f"Pool.run needs a function to run on every rank, got {fn!r}")
+            raise ArgumentError(f"Pool.run needs a function to run on every rank, got {fn!r}")
         _processes.check_arguments(self.world_size, self.backend, timeout, self.start_timeout)
         targets = self._targets(ranks)
         return self._call(_send.pickle_payload(fn, args, kwargs), targets, timeout, quiet)
@@ -333,7 +334,7 @@ class Pool:
         chosen = sorted({ranks} if isinstance(ranks, int) else set(ranks))
         wrong = [r for r in chosen if not isinstance(r, int) or not 0 <= r < self.world_size]
         if wrong or not chosen:
-            raise ValueError(
+            raise ArgumentError(
                 f"ranks must name ranks of this pool (0..{self.world_size - 1}), got {ranks!r}"
             )
         return chosen
@@ -358,7 +359,7 @@ class Pool:
             **values: name=value pairs; each rank gets its own copy.
         """
         if not values:
-            raise ValueError("push needs name=value pairs, e.g. pool.push(lr=0.1)")
+            raise ArgumentError("push needs name=value pairs, e.g. pool.push(lr=0.1)")
         self.run(_namespace.set_names, values, ranks=ranks)
 
     def pull(self, name: str, ranks: Sequence[int] | None = None) -> list[Any]:

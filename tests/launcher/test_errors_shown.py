@@ -207,3 +207,22 @@ def test_a_checker_shows_the_learners_frames_innermost_last() -> None:
     where = lines.index("Where rank 0 was waiting (most recent call last):")
     assert "ring_average" in lines[where + 1] and "in recv" in lines[where + 3], lines
     assert "_call" not in shown.split("most recent call last")[1], shown
+
+
+def test_a_bad_argument_is_shown_message_first_and_still_a_value_or_type_error(
+    shell, capsys
+) -> None:
+    # Nothing starts for a bad argument; the learner reads what was wrong on the first line,
+    # and code that catches ValueError (or TypeError) keeps working.
+    lines = _shown(shell, capsys, "mgtutor.launch(print, world_size=0)")
+    assert lines[0] == (
+        "ArgumentError: world_size must be at least 1 (one worker per rank), got 0"
+    ), lines
+    assert not any(name in line for line in lines for name in _OWN_FILES), lines
+    lines = _shown(shell, capsys, "mgtutor.launch(42)")
+    assert lines[0].startswith("ArgumentError: launch needs a function"), lines
+    for bad in ({"world_size": 0}, {"world_size": "2"}, {"timeout": -1}):
+        with pytest.raises(ValueError):
+            mgtutor.launch(print, **bad)
+        with pytest.raises(TypeError):
+            mgtutor.launch(print, **bad)
