@@ -66,6 +66,8 @@ class Wording:
         push: how to give the ranks the notebook's values (``{pairs}``: ``name=name, ...``;
             ``{names}``: ``name ...``).
         restart: how to start new ranks.
+        kept: whose ranks a failed call keeps ("The pool's ranks"; "The %%ddp ranks").
+        sent: what each rank receives before it runs ("fn and its arguments"; "the cell").
     """
 
     work: str = "fn"
@@ -73,6 +75,8 @@ class Wording:
     note: str = ""
     push: str = "pool.push({pairs})"
     restart: str = "pool.restart()"
+    kept: str = "The pool's ranks"
+    sent: str = "fn and its arguments"
 
 
 def diagnose(handles: list[RankHandle], dump_paths: dict[int, str]) -> Any:

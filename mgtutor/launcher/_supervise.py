@@ -204,7 +204,7 @@ class Supervisor(RankWatch):
         if fine:
             parts.append(f"rank(s) {', '.join(fine)} finished the call")
         said = ("; ".join(parts) + ". ") if parts else ""
-        return f"{said.capitalize()}The pool's ranks are kept, with what they hold.", None
+        return f"{said.capitalize()}{self.wording.kept} are kept, with what they hold.", None
 
     def _raise_timeout(
         self,
@@ -227,10 +227,10 @@ class Supervisor(RankWatch):
             )
             summary = (
                 f"Ranks {waiting} had not started after start_timeout={start_timeout:g} s "
-                f"(starting Python, importing, joining the group, unpickling fn and its "
-                f"arguments); every rank was stopped. The stacks below show where they were. On "
-                f"a slow or busy machine, or with torch on a network file system, pass a larger "
-                f"start_timeout (or None for no limit)."
+                f"(starting Python, importing, joining the group, unpickling "
+                f"{self.wording.sent}); every rank was stopped. The stacks below show where they "
+                f"were. On a slow or busy machine, or with torch on a network file system, pass a "
+                f"larger start_timeout (or None for no limit)."
             )
         else:
             summary = (

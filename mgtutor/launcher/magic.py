@@ -73,6 +73,8 @@ _DDP_WORDING = Wording(
     note="The %%ddp ranks were stopped; the next %%ddp cell starts new ones (what they held is "
     "lost).",
     push="%ddp_push {names}",
+    kept="The %%ddp ranks",
+    sent="the cell",
 )
 
 

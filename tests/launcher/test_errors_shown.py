@@ -226,3 +226,14 @@ def test_a_bad_argument_is_shown_message_first_and_still_a_value_or_type_error(
             mgtutor.launch(print, **bad)
         with pytest.raises(TypeError):
             mgtutor.launch(print, **bad)
+
+
+def test_a_ddp_cell_that_raises_on_one_rank_says_the_ddp_ranks_are_kept(shell, capsys) -> None:
+    # The other rank finishes the cell, so the ranks stay; the note names them as %%ddp's.
+    shell.run_line_magic("load_ext", "mgtutor")
+    cell = "import torch.distributed as dist\nif dist.get_rank() == 1:\n"
+    cell += "    raise ValueError('only here')"
+    text = "\n".join(_shown(shell, capsys, f"%%ddp\n{cell}"))
+    assert "ValueError: only here" in text, text
+    assert "The %%ddp ranks are kept, with what they hold." in text, text
+    assert "pool's" not in text, text
