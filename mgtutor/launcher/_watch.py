@@ -13,6 +13,7 @@ import selectors
 import sys
 import time
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from mgtutor.launcher._handle import RankHandle
@@ -42,11 +43,7 @@ class RankWatch:
 
     def send(self, h: RankHandle, message: Any) -> bool:
         """Send a message to a rank; False when its pipe is closed (the rank has gone)."""
-        try:
-            h.conn.send(message)
-            return True
-        except (OSError, ValueError):
-            return False
+        return self.send_pickled(h, ForkingPickler.dumps(message))  # as Connection.send does
 
     def send_pickled(self, h: RankHandle, message: bytes) -> bool:
         """:meth:`send` for a message pickled once for every rank (``ForkingPickler.dumps``)."""

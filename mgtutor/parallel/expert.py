@@ -28,13 +28,15 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from mgtutor.parallel._tally import Tally
 
 __all__ = [
     "Exchange",
@@ -58,25 +60,18 @@ class Exchange:
     received: tuple[int, ...]  # bytes from rank 0, 1, ...
 
 
-_logs: list[list[Exchange]] = []
+_TALLY = Tally()
 
 
-@contextlib.contextmanager
-def count_all_to_all() -> Iterator[list[Exchange]]:
+def count_all_to_all() -> contextlib.AbstractContextManager[list[Exchange]]:
     """Write down every :func:`all_to_all` run inside the block, forward and backward."""
-    log: list[Exchange] = []
-    _logs.append(log)
-    try:
-        yield log
-    finally:
-        _logs.remove(log)
+    return _TALLY.count()
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int], phase: str) -> torch.Tensor:
     x = x.contiguous()
     row = math.prod(x.shape[1:]) * x.element_size()  # a rank may receive no rows at all
-    for log in _logs:
-        log.append(Exchange(phase, tuple(n * row for n in send), tuple(n * row for n in recv)))
+    _TALLY.write(Exchange(phase, tuple(n * row for n in send), tuple(n * row for n in recv)))
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send)
     return out

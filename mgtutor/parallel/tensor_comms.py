@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mgtutor.parallel._tally import Tally
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -59,11 +61,10 @@ class Collective:
     nbytes: int
 
 
-_logs: list[list[Collective]] = []
+_TALLY = Tally()
 
 
-@contextlib.contextmanager
-def count_collectives() -> Iterator[list[Collective]]:
+def count_collectives() -> contextlib.AbstractContextManager[list[Collective]]:
     """Write down every collective the functions of this module run inside the block.
 
     Example:
@@ -71,12 +72,7 @@ def count_collectives() -> Iterator[list[Collective]]:
         ...     model(x).sum().backward()
         >>> [(c.name, c.phase) for c in calls]  # [("all_reduce", "forward"), ...]
     """
-    log: list[Collective] = []
-    _logs.append(log)
-    try:
-        yield log
-    finally:
-        _logs.remove(log)
+    return _TALLY.count()
 
 
 def by_kind(counts: Mapping[Any, int] | list[Collective]) -> dict[str, int]:
@@ -98,8 +94,7 @@ def by_kind(counts: Mapping[Any, int] | list[Collective]) -> dict[str, int]:
 
 
 def _record(name: str, phase: str, nbytes: int) -> None:
-    for log in _logs:
-        log.append(Collective(name, phase, nbytes))
+    _TALLY.write(Collective(name, phase, nbytes))
 
 
 def _all_reduce(tensor: torch.Tensor, phase: str) -> torch.Tensor:

@@ -144,37 +144,36 @@ def test_output_is_relayed_in_whole_prefixed_lines(capfd) -> None:
     assert err.count("] no newline at the end") == 2
 
 
+class _TimedStdout:
+    """A stdout that notes when each write arrived."""
+
+    def __init__(self) -> None:
+        self.stamps: list[tuple[float, str]] = []
+
+    def write(self, text: str) -> None:
+        self.stamps.append((time.perf_counter(), text))
+
+    def flush(self) -> None:
+        pass
+
+
 def test_output_arrives_while_the_worker_runs(monkeypatch) -> None:
-    stamps: list[tuple[float, str]] = []
-
-    class Recorder:
-        def write(self, text: str) -> None:
-            stamps.append((time.perf_counter(), text))
-
-        def flush(self) -> None:
-            pass
+    stdout = _TimedStdout()
 
     def slow() -> None:
         print("early", flush=True)
         time.sleep(1.5)
         print("late", flush=True)
 
-    monkeypatch.setattr(sys, "stdout", Recorder())
+    monkeypatch.setattr(sys, "stdout", stdout)
     mgtutor.launch(slow, world_size=1)
     monkeypatch.undo()
-    times = {text.split()[-1]: t for t, text in stamps}
+    times = {text.split()[-1]: t for t, text in stdout.stamps}
     assert times["late"] - times["early"] > 1.0, "lines must be relayed live, not at the end"
 
 
 def test_lines_redrawn_with_carriage_returns_show_while_they_are_drawn(monkeypatch) -> None:
-    stamps: list[tuple[float, str]] = []
-
-    class Recorder:
-        def write(self, text: str) -> None:
-            stamps.append((time.perf_counter(), text))
-
-        def flush(self) -> None:
-            pass
+    stdout = _TimedStdout()
 
     def bar() -> None:  # what tqdm does: redraw one line, a newline only at the end
         import sys
@@ -185,10 +184,10 @@ def test_lines_redrawn_with_carriage_returns_show_while_they_are_drawn(monkeypat
             time.sleep(0.1)
         sys.stdout.write("\n")
 
-    monkeypatch.setattr(sys, "stdout", Recorder())
+    monkeypatch.setattr(sys, "stdout", stdout)
     mgtutor.launch(bar, world_size=1)
     monkeypatch.undo()
-    shown = [(t, text) for t, text in stamps if "step" in text]
+    shown = [(t, text) for t, text in stdout.stamps if "step" in text]
     assert shown[-1][1] == "[rank 0] step 20/20\n"
     assert all("\r" not in text for _, text in shown)
     assert shown[-1][0] - shown[0][0] > 1.0, "the bar must show while it is drawn"
