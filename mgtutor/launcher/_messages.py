@@ -44,6 +44,9 @@ class Call:
             not change since the last call to this rank.
         in_namespace: run fn with the rank's own global namespace (kept between calls) instead
             of the globals it was pickled with.
+        reusable: the payload holds only values that cannot change in place
+            (:mod:`~mgtutor.launcher._payload`): a rank may keep what it unpickled and use it
+            again when the next call's payload is the same bytes.
     """
 
     call: int
@@ -51,6 +54,7 @@ class Call:
     sources: dict[str, list[str]]
     context: Context | None
     in_namespace: bool = False
+    reusable: bool = False
 
 
 @dataclass(frozen=True)

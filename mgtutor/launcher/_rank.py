@@ -245,9 +245,7 @@ def _run_call(call: Call, spec: RankSpec) -> Done | Failed:
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
     _namespace.begin_call()
     try:
-        import cloudpickle
-
-        fn, args, kwargs = cloudpickle.loads(call.payload)
+        fn, args, kwargs = _unpacked(call)
         if call.in_namespace:
             fn = _namespace.in_rank_namespace(fn)
     except BaseException as exc:
@@ -258,6 +256,26 @@ def _run_call(call: Call, spec: RankSpec) -> Done | Failed:
         # The notebook says it for a call that finished (Done's record); here, where it failed.
         print(f"mgtutor: {_namespace.kept_note(kept)}")  # a note, not an error
     return answer
+
+
+_last_unpacked: list[Any] = [None, None]  # the last reusable payload, and what it gave
+
+
+def _unpacked(call: Call) -> Any:
+    """``(fn, args, kwargs)`` from the call's payload; unpickled again only if it changed.
+
+    A payload the notebook marked reusable holds only values that cannot change in place, and
+    a call in the rank's namespace runs a new function made from fn (``_namespace``), never fn
+    itself: what the last identical payload gave serves again.
+    """
+    if call.reusable and call.in_namespace and call.payload == _last_unpacked[0]:
+        return _last_unpacked[1]
+    import cloudpickle
+
+    unpacked = cloudpickle.loads(call.payload)
+    if call.reusable and call.in_namespace:
+        _last_unpacked[:] = [call.payload, unpacked]
+    return unpacked
 
 
 def _measured_call(fn: Any, args: tuple, kwargs: dict, call: Call, spec: RankSpec) -> Done | Failed:

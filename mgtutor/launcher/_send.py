@@ -198,6 +198,8 @@ def dumps_on_cpu(result: Any) -> bytes:
     A CUDA tensor pickled as it is would be rebuilt on ``cuda:r`` in the notebook, which
     initializes CUDA in the kernel (or fails on a machine without that GPU).
     """
+    if type(result) in _PLAIN:
+        return pickle.dumps(result, protocol=pickle.DEFAULT_PROTOCOL)  # 1 us, not 8
     import io
 
     buffer = io.BytesIO()
@@ -205,6 +207,7 @@ def dumps_on_cpu(result: Any) -> bytes:
     return buffer.getvalue()
 
 
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)  # no tensor inside: plain pickle
 _pickler_class: Any = None
 
 

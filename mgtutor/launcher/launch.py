@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mgtutor.errors import ArgumentError
-from mgtutor.launcher import _processes, _send
+from mgtutor.launcher import _payload, _processes
 from mgtutor.launcher._handle import with_wall_time
 from mgtutor.launcher._processes import DEFAULT_START_METHOD, START_METHODS
 from mgtutor.launcher.pool import Pool
@@ -108,7 +108,7 @@ def launch(
             'that launches under `if __name__ == "__main__":` in your script.'
         )
     _processes.check_arguments(world_size, backend, timeout, start_timeout, start_method)
-    payload = _send.pickle_payload(fn, args, kwargs)  # fails before any process starts
+    payload, _ = _payload.shared.dumps(fn, args, kwargs)  # fails before any process starts
     started = time.perf_counter()
     pool = Pool(
         world_size,

@@ -35,7 +35,7 @@ from typing import Any
 
 from mgtutor.doctor import DUMP_PATH_ENV
 from mgtutor.errors import ArgumentError
-from mgtutor.launcher import _handle, _namespace, _processes, _send
+from mgtutor.launcher import _handle, _namespace, _payload, _processes, _send
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._messages import Call, Exit
 from mgtutor.launcher._report import Wording
@@ -262,10 +262,16 @@ class Pool:
             raise ArgumentError(f"Pool.run needs a function to run on every rank, got {fn!r}")
         _processes.check_arguments(self.world_size, self.backend, timeout, self.start_timeout)
         targets = self._targets(ranks)
-        return self._call(_send.pickle_payload(fn, args, kwargs), targets, timeout, quiet)
+        payload, reusable = _payload.shared.dumps(fn, args, kwargs)
+        return self._call(payload, targets, timeout, quiet, reusable)
 
     def _call(
-        self, payload: bytes, targets: list[int], timeout: float | None, quiet: bool = False
+        self,
+        payload: bytes,
+        targets: list[int],
+        timeout: float | None,
+        quiet: bool = False,
+        reusable: bool = False,
     ) -> Run:
         """Send one pickled call to ``targets``, wait for their answers, build the Run."""
         if self.closed:
@@ -283,7 +289,14 @@ class Pool:
         self._context_key = key
         if context is not None:
             self._say_group_variables_changed(context.environ)
-        call = Call(self._calls, payload, sources, context, in_namespace=not self._one_call)
+        call = Call(
+            self._calls,
+            payload,
+            sources,
+            context,
+            not self._one_call,
+            reusable and not self._one_call,
+        )
         pickled = ForkingPickler.dumps(call)  # once for every rank
         started = self.started_at if self._one_call else time.perf_counter()
         for h in handles:

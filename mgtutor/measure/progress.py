@@ -95,12 +95,18 @@ class ProgressBoard:
         self._bars: list[Any] | None = None
         self._labels: list[Any] = []
         self._text_tenths: dict[tuple[int, str], int] = {}
-        self._use_widgets = _in_notebook()
-        if self._use_widgets:
-            try:
-                import ipywidgets  # noqa: F401
-            except ImportError:
-                self._use_widgets = False
+        self._widgets_usable: bool | None = None  # looked up at the first update, not per call
+
+    @property
+    def _use_widgets(self) -> bool:
+        if self._widgets_usable is None:
+            self._widgets_usable = _in_notebook()
+            if self._widgets_usable:
+                try:
+                    import ipywidgets  # noqa: F401
+                except ImportError:
+                    self._widgets_usable = False
+        return self._widgets_usable
 
     def _make_widgets(self) -> None:
         import ipywidgets as widgets

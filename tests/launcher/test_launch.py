@@ -361,7 +361,7 @@ def test_progress_board_draws_one_widget_bar_per_rank() -> None:
     from mgtutor.measure.progress import ProgressBoard
 
     board = ProgressBoard(2)
-    board._use_widgets = True  # as in JupyterLab; outside a kernel display() prints a repr
+    board._widgets_usable = True  # as in JupyterLab; outside a kernel display() prints a repr
     board.update(1, 3, 10, "epoch 0")
     board.update(0, 10, 10, "epoch 0")
     bars = board._bars
