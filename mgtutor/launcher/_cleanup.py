@@ -2,7 +2,9 @@
 
 Each rank leads a process group of its own (it calls ``os.setpgrp()`` first thing), so a
 signal to the group reaches the DataLoader workers and other children it started; a child that
-made its own session is found as a descendant while its rank lives.
+made its own session is found as a descendant while its rank lives. A pool's folder for the
+doctor's files is named after its notebook's process, so the next pool removes it should the
+notebook be killed before it closed its pool.
 """
 
 from __future__ import annotations
@@ -317,3 +319,54 @@ def proc_children(root: int) -> list[int] | None:
             found += kids
             todo += kids
     return found
+
+
+_DUMP_FOLDER_PREFIX = "mgtutor-fr-"
+
+
+def make_dump_folder() -> str:
+    """A new folder for a pool's doctor files, named after this process, whose pool removes it.
+
+    A notebook killed before it closed its pool cannot remove its folder; the process id in
+    the name lets the next pool of any notebook find it (:func:`remove_stale_dump_folders`).
+    """
+    import tempfile
+
+    return tempfile.mkdtemp(prefix=f"{_DUMP_FOLDER_PREFIX}{os.getpid()}-")
+
+
+def remove_stale_dump_folders(where: str | None = None) -> list[str]:
+    """Remove the doctor folders left by notebook processes that no longer run; return them.
+
+    Only this user's folders named ``mgtutor-fr-PID-...`` whose process ``PID`` has ended are
+    removed; a folder of a running process, or of another user, is left alone.
+    """
+    import shutil
+    import tempfile
+
+    removed = []
+    with os.scandir(where or tempfile.gettempdir()) as entries:
+        for entry in entries:
+            pid_text = entry.name.removeprefix(_DUMP_FOLDER_PREFIX).partition("-")[0]
+            if entry.name == pid_text or not pid_text.isdigit() or _pid_runs(int(pid_text)):
+                continue
+            try:
+                if not entry.is_dir(follow_symlinks=False):
+                    continue
+                if entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                    continue
+            except OSError:
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _pid_runs(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True

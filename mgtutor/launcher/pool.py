@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import tempfile
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -35,7 +34,7 @@ from typing import Any
 
 from mgtutor.doctor import DUMP_PATH_ENV
 from mgtutor.errors import ArgumentError
-from mgtutor.launcher import _handle, _namespace, _payload, _processes, _send
+from mgtutor.launcher import _cleanup, _handle, _namespace, _payload, _processes, _send
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._messages import Call, Exit
 from mgtutor.launcher._report import Wording
@@ -144,7 +143,8 @@ class Pool:
         supervisor = Supervisor(self._wording)
         self._supervisor = supervisor
         # Where each rank's doctor answers with its record of collectives (mgtutor.doctor).
-        self._dump_dir = tempfile.mkdtemp(prefix="mgtutor-fr-")
+        _cleanup.remove_stale_dump_folders()  # left by notebooks killed before they closed
+        self._dump_dir = _cleanup.make_dump_folder()
         supervisor.dump_paths = {
             r: os.path.join(self._dump_dir, f"rank{r}.pkl") for r in range(self.world_size)
         }

@@ -359,3 +359,36 @@ def test_launch_while_a_worker_is_bootstrapping_names_the_main_guard(monkeypatch
     monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
     with pytest.raises(RuntimeError, match='if __name__ == "__main__":'):
         mgtutor.launch(lambda: None)
+
+
+def test_a_launch_removes_the_doctor_folders_of_ended_notebooks(tmp_path, monkeypatch) -> None:
+    # A notebook killed before it closed its pool leaves its folder; the next pool removes it.
+    import subprocess
+    import sys
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    stale = tmp_path / f"mgtutor-fr-{ended.pid}-k2j4"
+    live = tmp_path / f"mgtutor-fr-{running.pid}-k2j4"
+    unnamed = tmp_path / "mgtutor-fr-k2j4"  # no process id in the name: not known to be stale
+    for folder in (stale, live, unnamed):
+        folder.mkdir()
+        os.mkfifo(folder / "rank0.pkl.ask")
+    try:
+        seen = []
+        real = _cleanup.make_dump_folder
+        monkeypatch.setattr(_cleanup, "make_dump_folder", lambda: seen.append(real()) or seen[0])
+        assert mgtutor.launch(_returns_rank, world_size=2).results == [0, 1]
+        assert not stale.exists() and live.exists() and unnamed.exists()
+        assert os.path.basename(seen[0]).startswith(f"mgtutor-fr-{os.getpid()}-")
+        assert not os.path.exists(seen[0])  # the launch's own, removed when it closed
+    finally:
+        running.kill()
+        running.wait()
+
+
+def _returns_rank() -> int:
+    return int(os.environ["RANK"])
