@@ -19,7 +19,8 @@ Sources of the formulas:
   bytes per parameter (16-bit parameters and gradients; K = 12: float32 master copy, momentum
   and variance); ZeRO-1 shards the K bytes over the N data-parallel ranks (4 + 12/N), ZeRO-2
   the gradients too (2 + 14/N), ZeRO-3 everything (16/N). Communication, section 7: data
-  parallelism and ZeRO-1/2 move 2x the parameters per step, ZeRO-3 3x.
+  parallelism and ZeRO-1/2 move 2x the parameters per step, ZeRO-3 3x. Notebook 17 checks the
+  paper's Table 1 (v3, p. 11) entry by entry and sets other published per-GPU figures beside these.
 * Activations: Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
   Models", arXiv:2205.05198, section 4 and table 2 (16-bit activations, per layer).
 * Tensor parallelism: Shoeybi et al., "Megatron-LM", arXiv:1909.08053, section 3: two
