@@ -7,6 +7,7 @@ Public: :func:`~mgtutor.launcher.launch.launch` (run a function once on every ra
 
 * :mod:`._processes`: starting rank processes (forkserver, fork or spawn) and the forkserver.
 * :mod:`._send`: a function and its arguments made sendable (by value, with the notebook's names).
+* :mod:`._payload`: the pickled function reused while nothing it carries can have changed.
 * :mod:`._namespace`: which names a rank sees, its own or the notebook's.
 * :mod:`._messages`: the typed messages between the notebook and its ranks.
 * :mod:`._channel`: the ranks' side channel for progress and records.
