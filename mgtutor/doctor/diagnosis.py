@@ -85,6 +85,7 @@ def _missing(
     records: dict[int, dict[str, Any]],
     finished: Collection[int],
     raised: Mapping[int, str],
+    work: str = "fn",
 ) -> list[_Problem]:
     """Ranks that never enqueued collective ``seq`` of group ``name`` while others did."""
     reached = sorted(r for r, v in per_rank.items() if v.last >= seq)
@@ -117,7 +118,7 @@ def _missing(
             head = f"rank {r} raised {raised[r]}{at} before it reached {target}"
             kind = "raised"
         elif r in finished:
-            head = f"rank {r} returned from fn without calling {target}"
+            head = f"rank {r} returned from {work} without calling {target}"
             kind = "finished"
         else:
             head = f"rank {r} never reached {target}"
@@ -182,6 +183,7 @@ def _compare_group(
     records: dict[int, dict[str, Any]],
     finished: Collection[int],
     raised: Mapping[int, str],
+    work: str = "fn",
 ) -> list[_Problem]:
     # A ring buffer may have dropped a rank's oldest entries: compare entries where every rank
     # has them, and look for a missing collective from the counters, which nothing drops.
@@ -193,7 +195,7 @@ def _compare_group(
     problems: list[_Problem] = []
     blamed: set[int] = set()
     for seq in range(min(start, top, first_missing), top + 1):
-        missing = _missing(name, seq, per_rank, records, finished, raised)
+        missing = _missing(name, seq, per_rank, records, finished, raised, work)
         fresh = [p for p in missing if p.ranks[0] not in blamed]
         problems += fresh
         blamed.update(p.ranks[0] for p in missing)
@@ -231,7 +233,10 @@ def _cross_group(problems: list[_Problem], records: dict[int, dict[str, Any]]) -
 
 
 def _point_to_point(
-    records: dict[int, dict[str, Any]], finished: Collection[int], raised: Mapping[int, str]
+    records: dict[int, dict[str, Any]],
+    finished: Collection[int],
+    raised: Mapping[int, str],
+    work: str = "fn",
 ) -> _Problem | None:
     """A rank whose stack is in send or recv: the stacks say what the records cannot."""
     for rank, record in sorted(records.items()):
@@ -250,7 +255,7 @@ def _point_to_point(
             "so this comes from the rank's stack"
         )
         if peer in finished:
-            more += f"; rank {peer} returned from fn"
+            more += f"; rank {peer} returned from {work}"
         elif peer in raised:
             more += f"; rank {peer} raised {raised[peer]}"
         elif peer in records:
@@ -313,6 +318,7 @@ def diagnose(
     finished: Collection[int] = (),
     raised: Mapping[int, str] | None = None,
     world_size: int | None = None,
+    work: str = "fn",
 ) -> Diagnosis:
     """Compare the ranks' records and say in plain words which rank diverged, and how.
 
@@ -331,6 +337,7 @@ def diagnose(
         finished: ranks known to have returned from fn.
         raised: rank -> ``"ValueError: message"`` for ranks known to have raised.
         world_size: the number of ranks, if some may be missing from ``dumps``.
+        work: what the ranks ran, as "returned from ..." ends ("fn"; "the %%ddp cell").
 
     Returns:
         A :class:`Diagnosis`; ``str()`` of it is the message for the learner.
@@ -357,11 +364,11 @@ def diagnose(
     problems: list[_Problem] = []
     for name in sorted(views, key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0, n)):
         if len(views[name]) > 1:
-            problems += _compare_group(name, views[name], records, finished, raised)
+            problems += _compare_group(name, views[name], records, finished, raised, work)
     order = _cross_group(problems, records)
     if order is not None:  # it replaces the "behind" it is made of: no rank is behind
         problems = [order, *(p for p in problems if p.kind != "behind")]
-    if not problems and (p2p := _point_to_point(records, finished, raised)):
+    if not problems and (p2p := _point_to_point(records, finished, raised, work)):
         problems.append(p2p)
     for r in absent:
         problems.append(_Problem(_LAST, "missing_record", [r], f"no record from rank {r}"))

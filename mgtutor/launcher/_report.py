@@ -79,7 +79,9 @@ class Wording:
     sent: str = "fn and its arguments"
 
 
-def diagnose(handles: list[RankHandle], dump_paths: dict[int, str]) -> Any:
+def diagnose(
+    handles: list[RankHandle], dump_paths: dict[int, str], wording: Wording | None = None
+) -> Any:
     """Ask every live rank for its record of collectives; what the doctor makes of them.
 
     Ranks that failed sent their record with the failure, a launch's ranks that returned
@@ -118,7 +120,14 @@ def diagnose(handles: list[RankHandle], dump_paths: dict[int, str]) -> Any:
         return None  # no collective was ever issued: nothing to say
     finished = [h.rank for h in handles if h.done is not None]
     try:
-        return doctor.diagnose(records, finished=finished, raised=raised, world_size=len(handles))
+        work = (wording or Wording()).work
+        return doctor.diagnose(
+            records,
+            finished=finished,
+            raised=raised,
+            world_size=len(handles),
+            work=work[:1].lower() + work[1:],  # "The %%ddp cell" -> "the %%ddp cell"
+        )
     except Exception as exc:  # the doctor must never hide the error it explains
         return doctor.Diagnosis(
             f"the doctor failed on these records ({type(exc).__name__}: {exc})",

@@ -158,7 +158,7 @@ class Supervisor(RankWatch):
                 if self.board is not None:
                     self.board.finish(first.rank)
                 raise _report.describe(first, kept, diagnosis)
-        diagnosis = _report.diagnose(self.handles, self.dump_paths)
+        diagnosis = _report.diagnose(self.handles, self.dump_paths, self.wording)
         cleanup = self._stop(primary=first)
         self._drain(_DRAIN_GRACE_S)
         if self.board is not None:
@@ -179,7 +179,7 @@ class Supervisor(RankWatch):
             return None, None  # one died meanwhile
         stuck = [h for h in targets if not h.answered]
         if stuck:
-            diagnosis = _report.diagnose(self.handles, self.dump_paths)
+            diagnosis = _report.diagnose(self.handles, self.dump_paths, self.wording)
             stacks = self._stacks(stuck)
             names = ", ".join(str(h.rank) for h in stuck)
             cleanup = self._stop(primary=first)
@@ -214,7 +214,9 @@ class Supervisor(RankWatch):
         starting: bool = False,
     ) -> None:
         running = [h for h in targets if h.process.is_alive() and not h.answered]
-        diagnosis = None if starting else _report.diagnose(self.handles, self.dump_paths)
+        diagnosis = (
+            None if starting else _report.diagnose(self.handles, self.dump_paths, self.wording)
+        )
         stacks = self._stacks(running)
         cleanup = self._stop()
         self._drain(_DRAIN_GRACE_S)

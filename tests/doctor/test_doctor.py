@@ -114,6 +114,8 @@ def test_rank_that_skips_a_collective_is_named_while_its_peer_is_blocked() -> No
     assert f"{_HERE}:" in diagnosis.summary and "in _skip_a_collective" in diagnosis.summary
     assert "rank 1's last collective was all_reduce #3" in str(diagnosis)
     assert "missing on rank(s) 1" in " ".join(diagnosis.analyzer)
+    in_a_cell = doctor.diagnose(records, finished={1}, work="the %%ddp cell")
+    assert in_a_cell.summary.startswith("rank 1 returned from the %%ddp cell without calling")
     behind = doctor.diagnose(records)
     assert behind.summary.startswith("rank 1 never reached all_reduce #4"), behind.summary
     # Rank 0's wait ended when rank 1 left (gloo: "Connection closed by peer").
@@ -505,3 +507,26 @@ def test_nccl_records_come_from_nccls_recorder_and_their_counters_are_read(monke
         "on rank 0, all_reduce #2 is started on the GPU and has not completed; 1 later "
         "collective(s) are queued behind it" in str(found)
     ), str(found)
+
+
+def test_a_ddp_cells_diagnosis_names_the_cell_not_fn(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from mgtutor.launcher import _report, magic
+
+    seen = {}
+    monkeypatch.setattr(doctor, "diagnose", lambda records, **kwargs: seen.update(kwargs))
+    record = {"trace": {"entries": [{"collective_seq_id": 1}]}, "call": None}
+    handles = [
+        SimpleNamespace(
+            rank=r,
+            process=SimpleNamespace(pid=None),  # ended: its record came with its answer
+            error=None,
+            done=SimpleNamespace(record={"flight_record": record}),
+        )
+        for r in (0, 1)
+    ]
+    _report.diagnose(handles, {}, magic._DDP_WORDING)
+    assert seen["work"] == "the %%ddp cell"
+    _report.diagnose(handles, {})
+    assert seen["work"] == "fn"
