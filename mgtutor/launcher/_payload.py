@@ -165,7 +165,7 @@ class _Rules:
             "function",
             fn.__code__,  # equal code objects may differ in these two, which cloudpickle writes
             fn.__code__.co_filename,
-            fn.__code__.co_qualname,
+            getattr(fn.__code__, "co_qualname", None),  # Python 3.11 and later
             fn.__name__,
             fn.__qualname__,
             fn.__module__,
