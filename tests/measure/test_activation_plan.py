@@ -154,3 +154,16 @@ def test_each_rank_keeps_the_plan_under_tensor_and_sequence_parallelism(in_ranks
 def test_split_layers_compute_the_layer(in_ranks):
     for rank in in_ranks:
         assert max(rank["errors"].values()) < 1e-5, rank["errors"]
+
+
+def test_scaled_dot_product_attention_on_cpu_keeps_no_scores():
+    # Why GPTLayer writes attention out (and notebook 13's block, which calls SDPA, keeps no
+    # s x s term): on CPU the fused kernel saves q, k, v, its output and a log-sum-exp per row.
+    from mgtutor.parallel.gpt_layer import saved_by_autograd
+
+    q, k, v = (torch.randn(B, A, S, H // A, requires_grad=True) for _ in range(3))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    shapes = [t["shape"] for t in saved_by_autograd(out.sum())]
+    assert shapes and all(shape[-2:] != (S, S) for shape in shapes), shapes
+    written_out = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+    assert any(t["shape"][-2:] == (S, S) for t in saved_by_autograd(written_out.sum()))
