@@ -121,7 +121,9 @@ class GPTLayer(nn.Module):
         scores = torch.baddbmm(
             q.new_empty(q.shape[0], s, s), q, k.transpose(1, 2), beta=0.0, alpha=1 / math.sqrt(d)
         )
-        scores.add_(torch.full((s, s), float("-inf"), dtype=q.dtype).triu(1))  # keeps nothing
+        scores.add_(
+            torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
+        )  # keeps nothing
         return torch.bmm(self.dropout(F.softmax(scores, dim=-1)), v)
 
 

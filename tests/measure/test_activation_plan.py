@@ -167,3 +167,17 @@ def test_scaled_dot_product_attention_on_cpu_keeps_no_scores():
     assert shapes and all(shape[-2:] != (S, S) for shape in shapes), shapes
     written_out = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
     assert any(t["shape"][-2:] == (S, S) for t in saved_by_autograd(written_out.sum()))
+
+
+def test_clear_errors():
+    from mgtutor.parallel.gpt_layer import GPTLayer
+
+    shape = Transformer(layers=1, hidden=H, heads=A, seq_len=S)
+    with pytest.raises(ValueError, match="recompute must be one of"):
+        activation_terms(shape, recompute="some")
+    with pytest.raises(ValueError, match="precision must be one of"):
+        activation_terms(shape, precision="fp8")
+    with pytest.raises(ValueError, match="multiple of heads"):
+        GPTLayer(10, 4)
+    with pytest.raises(ValueError, match="mask must be"):
+        GPTLayer(H, A, mask="byte")
