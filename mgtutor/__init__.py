@@ -14,7 +14,8 @@ The workbook's helper package. Its folders, in the order the notebooks meet them
   (:func:`phase`, :func:`step`, :class:`StepTimer`), :mod:`~.measure.memory` (what the
   per-rank memory figures count), :mod:`~.measure.breakdown` and :mod:`~.measure.memplan`
   (each rank's memory by category, measured and computed ahead), :mod:`~.measure.planner` (a
-  transformer's memory and traffic per GPU for a layout, from formulas),
+  transformer's memory and traffic per GPU for a layout, from formulas; its activations term
+  by term in :mod:`~.measure.activation_plan`),
   :mod:`~.measure.activations` (the bytes a forward and backward keep alive),
   :mod:`~.measure.plots`, :mod:`~.measure.progress` (per-rank progress bars),
   :mod:`~.measure.stats` (repeated measurements read with their spread) and
@@ -23,7 +24,8 @@ The workbook's helper package. Its folders, in the order the notebooks meet them
   Recorder) say went wrong in a hang; :func:`~mgtutor.doctor.find_drift`, replicas that differ.
 * :mod:`mgtutor.parallel`: what the notebooks build by hand: :mod:`~.parallel.syncbn`
   (:class:`SyncBatchNorm` that also runs on CPU ranks), tensor and sequence parallelism
-  (:mod:`~.parallel.tensor`, :mod:`~.parallel.tensor_comms`), ring attention
+  (:mod:`~.parallel.tensor`, :mod:`~.parallel.tensor_comms`; :mod:`~.parallel.gpt_layer`, a
+  layer that keeps for backward what Korthikanti et al. count), ring attention
   (:mod:`~.parallel.context`), pipeline stages (:mod:`~.parallel.pipeline`) and experts
   (:mod:`~.parallel.expert`).
 * :mod:`mgtutor.exercises`: exercises that check themselves on CPU ranks (the public

@@ -7,10 +7,14 @@ each collective moves per optimizer step, and whether it fits. :func:`layouts` t
 layout for a number of GPUs and keeps those that fit.
 
 Everything here is arithmetic; nothing is measured. Where the same question can be measured
-on CPU ranks, ``tests/measure/test_planner.py`` checks the planner's float32 figures against
-:func:`mgtutor.measure.memplan.estimate` (itself equal, byte for byte, to what
-:mod:`~mgtutor.measure.breakdown` measures inside ranks) and its tensor-parallel collectives
-against :func:`mgtutor.parallel.tensor_comms.count_collectives`.
+on CPU ranks, the tests check every category: ``tests/measure/test_planner.py`` the float32
+model states against :func:`mgtutor.measure.memplan.estimate` (itself equal, byte for byte, to
+what :mod:`~mgtutor.measure.breakdown` measures inside ranks) and the tensor-parallel
+collectives against :func:`mgtutor.parallel.tensor_comms.count_collectives`;
+``tests/measure/test_activation_plan.py`` the activations, term by term, against what autograd
+keeps for :class:`mgtutor.parallel.gpt_layer.GPTLayer` in one process and per rank under tensor
+and sequence parallelism, with full and selective recomputation
+(:mod:`~mgtutor.measure.activation_plan`, re-exported here).
 
 Sources of the formulas:
 
@@ -32,6 +36,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from mgtutor.measure.activation_plan import (
+    ACTIVATIONS_SOURCE,
+    ELEMENT_BYTES,
+    activation_bytes_per_layer,
+    activation_terms,
+)
+
 __all__ = [
     "ACTIVATIONS_SOURCE",
     "BYTES_PER_PARAMETER",
@@ -39,6 +50,7 @@ __all__ = [
     "Plan",
     "Transformer",
     "activation_bytes_per_layer",
+    "activation_terms",
     "layouts",
     "plan",
 ]
@@ -47,15 +59,6 @@ __all__ = [
 #: "mixed": 16-bit parameters and gradients, float32 master weights, momentum and variance
 #: (ZeRO's 2 + 2 + K, K = 12). "fp32": float32 everywhere, Adam's two moments (4 + 4 + 8).
 BYTES_PER_PARAMETER: dict[str, tuple[int, int, int]] = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
-
-_ACTIVATION_BYTES = {"mixed": 2, "fp32": 4}
-_RECOMPUTE = ("none", "selective", "full")
-
-ACTIVATIONS_SOURCE = (
-    "Korthikanti et al. 2022, arXiv:2205.05198, table 2: sbh(34 + 5as/h) per layer; "
-    "sbh(10 + 24/t + 5as/(ht)) with tensor parallelism; sbh/t (34 + 5as/h) with sequence "
-    "parallelism too"
-)
 
 
 @dataclass(frozen=True)
@@ -187,36 +190,6 @@ def _ring(name: str, size: int, buffer: int, calls: int, group: str) -> Collecti
     )
 
 
-def activation_bytes_per_layer(
-    model: Transformer,
-    tp: int = 1,
-    sequence_parallel: bool = False,
-    precision: str = "mixed",
-    recompute: str = "none",
-) -> int:
-    """Bytes of activations one layer keeps for backward, per micro-batch (Korthikanti et al.).
-
-    Table 2 of arXiv:2205.05198, for 16-bit activations and 1-byte dropout masks: sbh(34 +
-    5as/h) without parallelism, sbh(10 + 24/t + 5as/(ht)) with tensor parallelism of size t
-    (the norms' and dropouts' inputs stay whole), sbh/t (34 + 5as/h) with sequence parallelism
-    as well. ``recompute="selective"`` drops the attention term 5as/h (the scores are
-    recomputed; flash attention keeps no scores either); ``"full"`` keeps only each layer's
-    input, 2sbh (2sbh/t with sequence parallelism). For "fp32" the figure is doubled (the
-    masks too: an overestimate by their bytes).
-    """
-    if recompute not in _RECOMPUTE:
-        raise ValueError(f"recompute must be one of {_RECOMPUTE}, got {recompute!r}")
-    s, b, h, a = model.seq_len, model.micro_batch, model.hidden, model.heads
-    attention = 5 * a * s * s * b if recompute == "none" else 0  # softmax, its mask and output
-    if recompute == "full":
-        per = 2 * s * b * h // (tp if sequence_parallel else 1)
-    elif sequence_parallel:
-        per = (34 * s * b * h + attention) // tp
-    else:
-        per = 10 * s * b * h + (24 * s * b * h + attention) // tp
-    return per * _ACTIVATION_BYTES[precision] // 2
-
-
 def plan(
     model: Transformer,
     gpus: int,
@@ -333,7 +306,7 @@ def plan(
         else:
             collectives.append(_ring("all_gather", dp, params, 2 * micro_batches, "dp"))
             collectives.append(_ring("reduce_scatter", dp, grads, micro_batches, "dp"))
-    activation = model.micro_batch * model.seq_len * model.hidden * _ACTIVATION_BYTES[precision]
+    activation = model.micro_batch * model.seq_len * model.hidden * ELEMENT_BYTES[precision]
     if tp > 1:
         calls = 4 * layers * micro_batches
         if sequence_parallel:

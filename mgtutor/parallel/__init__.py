@@ -7,6 +7,9 @@
 * :mod:`.tensor`: layers split across ranks from a one-process layer: column- and row-parallel
   linears, an MLP and attention split by heads, a block with or without sequence parallelism
   (notebook 13).
+* :mod:`.gpt_layer`: a Megatron-style GPT layer whose tensors kept for backward are the ones
+  Korthikanti et al. count, whole or split (tensor and sequence parallel), and what autograd
+  saved, by term (notebook 17).
 * :mod:`.context`: ring attention by hand (key-value blocks round a send/recv ring, partial
   results merged by their log-sum-exps, differentiable), and the contiguous and zig-zag
   splits of a sequence (notebook 14).
