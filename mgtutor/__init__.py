@@ -15,6 +15,7 @@ The workbook's helper package. Its folders, in the order the notebooks meet them
   per-rank memory figures count), :mod:`~.measure.breakdown` and :mod:`~.measure.memplan`
   (each rank's memory by category, measured and computed ahead), :mod:`~.measure.planner` (a
   transformer's memory and traffic per GPU for a layout, from formulas),
+  :mod:`~.measure.traffic` (each step's collectives counted in the ranks, and torch's own),
   :mod:`~.measure.activations` (the bytes a forward and backward keep alive),
   :mod:`~.measure.plots`, :mod:`~.measure.progress` (per-rank progress bars),
   :mod:`~.measure.stats` (repeated measurements read with their spread) and

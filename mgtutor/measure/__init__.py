@@ -7,6 +7,8 @@
 * :mod:`.memplan`: the same categories computed ahead, per strategy (DDP, ZeRO-1, FSDP, TP).
 * :mod:`.planner`: a transformer's memory per GPU and communication per step, from published
   formulas, for any layout of data (ZeRO 0-3), tensor and pipeline parallelism.
+* :mod:`.traffic`: every collective a step sends, counted inside the ranks, and what torch
+  runs for ZeRO 0-3 set beside the planner's (the ZeRO paper's) pattern.
 * :mod:`.activations`: the bytes a forward and backward create and keep alive.
 * :mod:`.stats`: repeated measurements read with their spread.
 * :mod:`.progress`: per-rank progress bars.
