@@ -304,9 +304,15 @@ def count_steps(
 ) -> list[list[Call]]:
     """Inside a rank: train :func:`build`'s model a few steps and record each step's calls.
 
-    Every rank of the default process group takes part (2 ranks for ``"pp"``). Each step is
-    ``micro_batches`` forward and backward passes of ``model.micro_batch`` sequences (a loss
-    of ``output.pow(2).mean()``), then Adam's step.
+    The model stays on the CPU (gloo ranks); every rank of the default process group takes
+    part (2 ranks for ``"pp"``). Each step is ``micro_batches`` forward and backward passes of
+    ``model.micro_batch`` sequences (a loss of ``output.pow(2).mean()``), then Adam's step.
+
+    Example:
+        >>> def work():
+        ...     mgtutor.setup()
+        ...     return count_steps("zero1", Transformer(2, 8, 2, 4, vocab=11))[-1]
+        >>> tally(mgtutor.launch(work, world_size=2, backend="gloo").results[0])
 
     Args:
         strategy: ``"ddp"``; ``"zero1"`` (DDP and ``ZeroRedundancyOptimizer``); ``"zero2"`` /

@@ -65,7 +65,7 @@ def _count_in_ranks() -> dict:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return mgtutor.launch(_count_in_ranks, world_size=2, timeout=120).results
+    return mgtutor.launch(_count_in_ranks, world_size=2, backend="gloo", timeout=120).results
 
 
 def _steps(ranks: list[dict], strategy: str) -> list[list[list[Call]]]:
@@ -103,10 +103,13 @@ def test_counted_calls_equal_torchs_pattern(ranks, strategy) -> None:
         assert traffic.tally(steps[-1]) == expected
 
 
-def test_ddp_and_the_pipeline_send_what_the_planner_plans(ranks) -> None:
+def test_ddp_sends_what_the_planner_plans(ranks) -> None:
     ddp = plan(SHAPE, 2, GB, precision="fp32", micro_batches=MICRO["ddp"]).collectives
     for steps in _steps(ranks, "ddp"):
         assert traffic.tally(steps[-1]) == ddp  # one all-reduce per step (no_sync before)
+
+
+def test_the_pipeline_sends_what_the_planner_plans(ranks) -> None:
     pp = plan(SHAPE, 2, GB, pp=2, precision="fp32", micro_batches=MICRO["pp"]).collectives
     activation = SHAPE.micro_batch * SHAPE.seq_len * SHAPE.hidden * 4
     for steps in _steps(ranks, "pp"):  # rank 0 sends activations, rank 1 their gradients
@@ -146,7 +149,7 @@ def test_fsdp_differs_from_the_paper_by_padding_the_root_and_micro_batches(ranks
         assert counted["reduce_scatter"][1] == m * PADDED
 
 
-def test_the_first_steps_add_ddps_bucket_rebuild_and_the_pipelines_shapes(ranks) -> None:
+def test_ddps_second_step_broadcasts_its_rebuilt_buckets(ranks) -> None:
     tensors = len(list(traffic.build(SHAPE).parameters()))
     for steps in _steps(ranks, "ddp"):
         assert traffic.tally(steps[0]) == traffic.tally(steps[2])
@@ -157,9 +160,12 @@ def test_the_first_steps_add_ddps_bucket_rebuild_and_the_pipelines_shapes(ranks)
             ("broadcast", 4 * (tensors + 1)),
             ("broadcast", 4),
         ]
+
+
+def test_the_pipelines_first_step_exchanges_shapes(ranks) -> None:
     for steps in _steps(ranks, "pp"):
         assert traffic.tally(steps[1], "pp") == traffic.tally(steps[2], "pp")
-        assert len(steps[0]) > len(steps[1])  # the stages exchange shapes in the first step
+        assert len(steps[0]) > len(steps[1])
 
 
 def test_flight_recorder_sees_the_same_collectives_and_gloos_reduce_scatter_all_reduces(ranks):
