@@ -27,7 +27,7 @@ MICRO = {"ddp": 2, "zero1": 2, "zero2": 2, "zero3": 2, "pp": 4}
 ZERO = {"ddp": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 P = SHAPE.total * 4  # float32 bytes of every parameter
 ROOT_PADDED = 12 * 8 * 4  # the embedding, 11 rows padded to 12
-PADDED = P + 1 * 8 * 4  # the layers' first dimensions (8, 16) split evenly over 2
+PADDED = P + 1 * 8 * 4  # one padding row of the embedding; the layers' dims (8, 16) split evenly
 
 
 def _gloo_entries() -> list[tuple[str, int]]:
@@ -41,8 +41,6 @@ def _gloo_entries() -> list[tuple[str, int]]:
 
 
 def _count_in_ranks() -> dict:
-    import torch.distributed as dist
-
     mgtutor.setup()
     recorder, _ = recorder_available()
     out = {"missing": {}}
@@ -50,8 +48,8 @@ def _count_in_ranks() -> dict:
         from torch.distributed.fsdp import fully_shard  # noqa: F401  public from torch 2.6
     except ImportError:
         out["missing"]["zero2"] = out["missing"]["zero3"] = "no torch.distributed.fsdp.fully_shard"
-    if torch.__version__ < (2, 6):  # gloo pipelines could hang before (pytorch#132644)
-        out["missing"]["pp"] = "the pipeline schedules are run with torch >= 2.6 only"
+    if torch.__version__ < (2, 6):  # older gloo pipelines could hang (pytorch#132644)
+        out["missing"]["pp"] = "the pipeline case runs with torch >= 2.6 only"
     for strategy, micro in MICRO.items():
         if strategy in out["missing"]:
             continue
@@ -59,7 +57,6 @@ def _count_in_ranks() -> dict:
         out[strategy] = traffic.count_steps(strategy, SHAPE, micro_batches=micro)
         if recorder:
             out[strategy, "gloo"] = _gloo_entries()[before:]
-    out["rank"] = dist.get_rank()
     return out
 
 
@@ -87,9 +84,9 @@ def test_sent_bytes_follow_the_ring() -> None:
 def test_build_holds_the_planners_parameter_count() -> None:
     for shape in (SHAPE, Transformer(layers=3, hidden=12, heads=3, seq_len=2)):
         assert sum(p.numel() for p in traffic.build(shape).parameters()) == shape.total
-    with pytest.raises(ValueError, match="no layer shapes"):
-        traffic.build(Transformer(layers=1, hidden=1, heads=1, seq_len=1, params=10))
     by_count = Transformer(layers=1, hidden=1, heads=1, seq_len=1, params=10)
+    with pytest.raises(ValueError, match="no layer shapes"):
+        traffic.build(by_count)
     with pytest.raises(ValueError, match="no layer shapes"):
         traffic.torch_collectives(by_count, 2, 3)
     with pytest.raises(ValueError, match="ZeRO stage"):
