@@ -16,6 +16,7 @@ The workbook's helper package. Its folders, in the order the notebooks meet them
   (each rank's memory by category, measured and computed ahead), :mod:`~.measure.planner` (a
   transformer's memory and traffic per GPU for a layout, from formulas; its activations term
   by term in :mod:`~.measure.activation_plan`),
+  :mod:`~.measure.traffic` (each step's collectives counted in the ranks, and torch's own),
   :mod:`~.measure.activations` (the bytes a forward and backward keep alive),
   :mod:`~.measure.plots`, :mod:`~.measure.progress` (per-rank progress bars),
   :mod:`~.measure.stats` (repeated measurements read with their spread) and

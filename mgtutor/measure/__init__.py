@@ -9,6 +9,8 @@
   formulas, for any layout of data (ZeRO 0-3), tensor and pipeline parallelism.
 * :mod:`.activation_plan`: the activations one layer keeps for backward, term by term
   (Korthikanti et al.), with the element and dropout-mask bytes as parameters.
+* :mod:`.traffic`: every collective a step sends, counted inside the ranks, and what torch
+  runs for ZeRO 0-3 set beside the planner's (the ZeRO paper's) pattern.
 * :mod:`.activations`: the bytes a forward and backward create and keep alive.
 * :mod:`.stats`: repeated measurements read with their spread.
 * :mod:`.progress`: per-rank progress bars.

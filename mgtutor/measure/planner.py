@@ -14,7 +14,9 @@ collectives against :func:`mgtutor.parallel.tensor_comms.count_collectives`;
 ``tests/measure/test_activation_plan.py`` the activations, term by term, against what autograd
 keeps for :class:`mgtutor.parallel.gpt_layer.GPTLayer` in one process and per rank under tensor
 and sequence parallelism, with full and selective recomputation
-(:mod:`~mgtutor.measure.activation_plan`, re-exported here).
+(:mod:`~mgtutor.measure.activation_plan`, re-exported here); ``test_traffic.py`` the DDP and
+pipeline collectives against every call counted in the ranks, and ZeRO-1/2/3 against what torch
+runs instead (:func:`mgtutor.measure.traffic.torch_collectives`, exact).
 
 Sources of the formulas:
 
@@ -223,13 +225,13 @@ def plan(
       pp) micro-batches in flight (1F1B; Korthikanti et al. section 4.2.3).
 
     Collectives per step: data parallelism all-reduces the gradients (ZeRO 0); ZeRO-1/2
-    reduce-scatter them and all-gather the updated parameters (the ZeRO paper's 2x the
-    parameters); ZeRO-3 all-gathers the parameters in forward and again in backward and
-    reduce-scatters the gradients, per micro-batch (3x). Tensor parallelism: 4 all-reduces of
-    the b·s·h activation per layer per micro-batch (2 forward, 2 backward), or with sequence
-    parallelism 4 all-gathers and 4 reduce-scatters of it. Pipeline: the activation sent
-    forward and its gradient sent back at each stage boundary, per micro-batch (a middle
-    stage sends both; with pp=2 each stage sends one).
+    reduce-scatter them (ZeRO-2 per micro-batch: it keeps no whole gradients) and all-gather
+    the updated parameters (the ZeRO paper's 2x the parameters); ZeRO-3 all-gathers the
+    parameters in forward and again in backward and reduce-scatters the gradients, per
+    micro-batch (3x). Tensor parallelism: 4 all-reduces of the b·s·h activation per layer per
+    micro-batch (2 forward, 2 backward), or with sequence parallelism 4 all-gathers and 4
+    reduce-scatters of it. Pipeline: the activation sent forward and its gradient sent back at
+    each stage boundary, per micro-batch (a middle stage sends both; with pp=2, one each).
 
     Args:
         model: the model's shape.
@@ -301,7 +303,8 @@ def plan(
         if zero == 0:
             collectives.append(_ring("all_reduce", dp, grads, 1, "dp"))
         elif zero in (1, 2):
-            collectives.append(_ring("reduce_scatter", dp, grads, 1, "dp"))
+            scatters = micro_batches if zero == 2 else 1
+            collectives.append(_ring("reduce_scatter", dp, grads, scatters, "dp"))
             collectives.append(_ring("all_gather", dp, params, 1, "dp"))
         else:
             collectives.append(_ring("all_gather", dp, params, 2 * micro_batches, "dp"))

@@ -37,14 +37,15 @@ def test_zero_paper_example_in_bytes():
 
 
 # Published figures, kept apart from what the planner computes: each with where it was read.
-# ZeRO (arXiv:1910.02054) Figure 1, 7.5B parameters, K = 12, N_d = 64, as quoted by a secondary
-# source read through the search tool (the paper's PDF itself was not read): "120GB" for plain
-# data parallelism and "31.4 GB" with optimizer-state partitioning.
+# ZeRO (arXiv:1910.02054v3), section 5.1, p. 10, read in the paper's PDF (stored copy: repository
+# para1lel/asabook, docs/.vuepress/public/paper/zero.pdf, commit eb62569): "a 7.5 B parameter
+# model requires 31.4GB of memory using Pos with 64-way DP (Nd = 64), while requiring 120 GB with
+# standard DP"; sections 5.2 and 5.3 give 16.6 GB and 1.9 GB. Notebook 17 checks its Table 1.
 ZERO_FIGURE_1 = {
-    "source": "https://blog.csdn.net/qq_36803941/article/details/140825656",
+    "source": "arXiv:1910.02054v3, section 5 (PDF in para1lel/asabook at eb62569)",
     "params": 7_500_000_000,
     "gpus": 64,
-    "gb_per_gpu": {0: 120.0, 1: 31.4},
+    "gb_per_gpu": {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9},
 }
 # The Ultra-Scale Playbook's memory plot for an 8B Llama at micro-batch 1 (its plot data,
 # series "Activations", read through the search tool): 4.25, 17 and 68 at sequence lengths
