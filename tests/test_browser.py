@@ -16,6 +16,11 @@ the page:
 A second test runs a notebook with one launch that fails and reads the first line of the error
 the learner sees: it must be the diagnosis or the message, not a frame of mgtutor's code.
 
+A third runs notebook 17's planner widget (its imports, draw_layout and widget cells only),
+picks a ZeRO stage and types a number of layers in the page as a learner does, and checks that
+the figure shown is, byte for byte, the PNG draw_layout gives for the values the controls show,
+and that no redraw leaves the figure's area empty (the page would flicker).
+
 Screenshots go to results/browser/. With MGTUTOR_UPDATE_SCREENSHOT=1, 00_setup runs too and the
 screenshot of its progress bars and plot is copied to docs/workbook.png, the README's picture; a
 plain run never changes a tracked file.
@@ -45,7 +50,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -667,6 +672,147 @@ def test_an_error_cells_first_line_is_the_message(lab: Lab, browser) -> None:
     except BaseException:
         with contextlib.suppress(Exception):
             page.screenshot(path=str(RESULTS / "failing_launch-failed.png"))
+        print("JupyterLab log (tail):", lab.log_tail(), sep="\n")
+        raise
+    finally:
+        context.close()
+
+
+# --- notebook 17's planner widget -------------------------------------------------------------
+
+PLANNER_NOTEBOOK = "17_planning_layouts.ipynb"
+# Each control of the planner by the description the page shows, and draw_layout's argument.
+PLANNER_ARGUMENTS = {
+    "layers": "layers", "hidden": "hidden", "seq_len": "seq_len", "GPUs": "gpus",
+    "GB per GPU": "gpu_memory_gb", "tp": "tp", "pp": "pp", "ZeRO stage": "zero",
+}  # fmt: skip
+REDRAW_S = 30  # a change in the page to its new figure (measured 0.2-0.7 s)
+
+# The figure in the planner's Output widget (its data: URL) and the value each control shows.
+PLANNER_JS = f"""() => {{
+  const panel = {_PANEL};
+  const img = panel.querySelector('.jupyter-widget-output img, .widget-output img');
+  const values = {{}};
+  for (const control of panel.querySelectorAll('.widget-dropdown, .widget-slider')) {{
+    const field = control.querySelector('select, .widget-readout');
+    values[control.querySelector('.widget-label').textContent.trim()] =
+        field.tagName === 'SELECT' ? field.value : field.textContent.trim();
+  }}
+  return {{src: img ? img.src : null, values: values}};
+}}"""
+
+# Count the moments a redraw leaves the figure's area with no figure (the page would flicker).
+WATCH_EMPTY_FIGURE_JS = f"""() => {{
+  const area = {_PANEL}.querySelector('.jupyter-widget-output, .widget-output');
+  window.mgtutorEmptyFigure = 0;
+  new MutationObserver(() => {{ if (!area.querySelector('img')) window.mgtutorEmptyFigure++; }})
+      .observe(area, {{childList: true, subtree: true}});
+}}"""
+
+NEW_FIGURE_JS = f"""(old) => {{ const now = ({PLANNER_JS})().src; return !!now && now !== old; }}"""
+
+
+def _planner_notebook(dest: Path) -> tuple[dict, Callable[..., tuple]]:
+    """Notebook 17's first code cell, its draw_layout cell and the widget cell, in a notebook.
+
+    Only what the widget needs: the cells before it launch ranks, which nbval runs. The widget
+    cell keeps its stored output (the text line a notebook opened before it runs shows).
+    Returns the defaults the draw_layout cell defines and its draw_layout.
+    """
+    import nbformat
+
+    cells = nbformat.read(NOTEBOOKS / PLANNER_NOTEBOOK, as_version=4).cells
+    code = [c for c in cells if c.cell_type == "code"]
+    draw = next(i for i, c in enumerate(code) if "def draw_layout(" in c.source)
+    widget = code[draw + 1]
+    assert "display_widget(" in widget.source, "the planner's widget must follow draw_layout"
+    imports, drawing = (nbformat.v4.new_code_cell(c.source) for c in (code[0], code[draw]))
+    kernel = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+    nb = nbformat.v4.new_notebook(cells=[imports, drawing, widget], metadata={"kernelspec": kernel})
+    nbformat.write(nb, dest)
+    # The two cells run here too, as in the kernel (asserts and prints with them): the test
+    # renders with their draw_layout what each setting should show.
+    namespace: dict = {}
+    for cell in (imports, drawing):
+        exec(cell.source, namespace)
+    import matplotlib.pyplot as plt
+
+    plt.close(namespace["fig"])
+    return namespace["defaults"], namespace["draw_layout"]
+
+
+def test_planner_widget_redraws_what_a_learner_picks(lab: Lab, browser) -> None:
+    # Notebook 17's planner as a learner uses it: pick a ZeRO stage, type a number of layers.
+    # The figure must change, and be draw_layout's for what the controls show, byte for byte.
+    import base64
+
+    import matplotlib.pyplot as plt
+    from IPython.core.pylabtools import print_figure
+
+    notebook = "planner_widget.ipynb"
+    defaults, draw_layout = _planner_notebook(lab.root / notebook)
+
+    def figure_for(values: dict) -> str:
+        fig, _ = draw_layout(**values)  # what the kernel's inline backend makes of the figure
+        png = print_figure(fig, "png")
+        plt.close(fig)
+        return "data:image/png;base64," + base64.b64encode(png).decode()
+
+    def shown() -> tuple[str | None, dict]:
+        state = page.evaluate(PLANNER_JS)
+        values = {PLANNER_ARGUMENTS[k]: int(v) for k, v in state["values"].items()}
+        return state["src"], values
+
+    def wait_for_new_figure(old: str | None, change: str) -> None:
+        try:
+            page.wait_for_function(NEW_FIGURE_JS, arg=old, timeout=REDRAW_S * 1000)
+        except Exception as exc:  # Playwright's TimeoutError
+            pytest.fail(f"the planner's figure did not change in {REDRAW_S} s after {change}: "
+                        f"{type(exc).__name__}")  # fmt: skip
+
+    context = browser.new_context(viewport=VIEWPORT)
+    page = context.new_page()
+    try:
+        _open(page, lab, notebook)
+        stored = page.evaluate(OUTPUT_TEXTS_JS)
+        assert any(t.startswith("[the planner's controls") for t in stored), stored
+        assert not _raw_reprs(stored), _raw_reprs(stored)
+        _menu(page, "Run", "runmenu:run-all")
+        _wait_run_all(page)
+        saved = _save_and_read(page, lab.root / notebook)
+        errors = [f"cell {i} ({''.join(c['source'])[:40]!r}): {o['ename']}: {o['evalue']}"
+                  for i, c in enumerate(saved["cells"]) for o in c.get("outputs", [])
+                  if o["output_type"] == "error"]  # fmt: skip
+        assert not errors, "error outputs in the planner's cells:\n" + "\n".join(errors)
+        assert not page.evaluate(WIDGET_TROUBLE_JS)
+        wait_for_new_figure(None, "running the cells")
+        src, values = shown()
+        assert values == defaults, values
+        first_is_right = src == figure_for(values)  # no diff of two base64 strings on failure
+        assert first_is_right, "the first figure is not draw_layout's for the defaults"
+
+        page.evaluate(WATCH_EMPTY_FIGURE_JS)
+        page.locator(".widget-dropdown", has_text="ZeRO stage").locator("select").select_option("3")
+        wait_for_new_figure(src, "picking ZeRO stage 3")
+        src, _ = shown()
+        readout = page.locator(".widget-slider", has_text="layers").locator(".widget-readout")
+        readout.click()
+        page.keyboard.press("Control+A")
+        page.keyboard.type("64")
+        page.keyboard.press("Enter")
+        wait_for_new_figure(src, "typing 64 layers")
+        src, values = shown()
+        page.locator(".jupyter-widget-output, .widget-output").scroll_into_view_if_needed()
+        page.screenshot(path=str(RESULTS / "planner-widget.png"))
+        assert values == {**defaults, "zero": 3, "layers": 64}, values
+        figure_is_right = src == figure_for(values)
+        assert figure_is_right, f"the figure shown is not draw_layout(**{values})'s"
+        assert page.evaluate("() => window.mgtutorEmptyFigure") == 0, (
+            "a redraw left the figure's area empty for a moment (the page flickers)"
+        )
+    except BaseException:
+        with contextlib.suppress(Exception):
+            page.screenshot(path=str(RESULTS / "planner-widget-failed.png"))
         print("JupyterLab log (tail):", lab.log_tail(), sep="\n")
         raise
     finally:
