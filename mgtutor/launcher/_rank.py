@@ -55,7 +55,7 @@ class RankSpec:
 
 
 _keep_alive: list[Any] = []
-_in_call = threading.Event()
+_in_call = [False]  # read by the SIGINT handler; a flag, as an Event's lock cost 3 us a call
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -145,7 +145,7 @@ def _listen(conn: Connection, commands: queue.Queue[Any]) -> None:
 def _interrupt(signum: int, frame: Any) -> None:
     # The notebook sends SIGINT to interrupt a call (Ctrl+C in a pool); between calls it is
     # ignored, so an interrupt that arrives late cannot end the rank.
-    if _in_call.is_set():
+    if _in_call[0]:
         raise KeyboardInterrupt
 
 
@@ -290,7 +290,7 @@ def _measured_call(fn: Any, args: tuple, kwargs: dict, call: Call, spec: RankSpe
     if spec.started is not None:
         spec.started[1] = started
         spec.started[0] = call.call
-    _in_call.set()
+    _in_call[0] = True
     try:
         result = fn(*args, **kwargs)
     except SystemExit as exc:
@@ -302,16 +302,17 @@ def _measured_call(fn: Any, args: tuple, kwargs: dict, call: Call, spec: RankSpe
     except BaseException as exc:
         return _failure(exc, "raised", call.call)
     finally:
-        _in_call.clear()
+        _in_call[0] = False
     finished = time.perf_counter()
     try:
+        device = current_device()
         record = {
             "pid": os.getpid(),
-            "device": current_device(),
+            "device": device,
             "backend": current_backend(),
             "started": started,
             "finished": finished,
-            "memory": memory.measure(current_device(), rss_start, peak_was_reset),
+            "memory": memory.measure(device, rss_start, peak_was_reset),
             "breakdown": _tracked_breakdown(),
             "timings": timing.collect_records(clear=True),
             "children": _cleanup.live_children(),

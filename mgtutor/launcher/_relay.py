@@ -104,11 +104,15 @@ class RankOutput:
         what is there (without waiting), end a last line that had no newline, and mark
         ``call``'s output as relayed.
         """
+        waiting = _readable([self.pipes[name] for name in STREAMS if name in self.open])
         for name in STREAMS:
+            pipe = self.pipes[name]
+            ready = pipe in waiting  # a silent call costs one look at both pipes
             for _ in range(_DRAIN_READS):
-                if name not in self.open or not _readable(self.pipes[name]):
+                if name not in self.open or not ready:
                     break
                 self.read(name)
+                ready = bool(_readable([pipe]))
             rest = self._partial.pop(name, b"")
             if rest:
                 text = _as_drawn(rest)
@@ -136,11 +140,15 @@ class RankOutput:
         self.open.clear()
 
 
-def _readable(conn: Connection) -> bool:
+def _readable(conns: list[Connection]) -> list[Connection]:
+    """Those of ``conns`` with something to read now (one system call for all of them)."""
+    if not conns:
+        return []
     try:
-        return bool(select.select([conn.fileno()], [], [], 0)[0])
+        ready = set(select.select([c.fileno() for c in conns], [], [], 0)[0])
     except (OSError, ValueError):
-        return False
+        return []
+    return [c for c in conns if c.fileno() in ready]
 
 
 def _as_drawn(line: bytes) -> str:

@@ -110,7 +110,8 @@ class Supervisor(RankWatch):
         try:
             while True:
                 self._pump(_POLL_S)
-                self._reap()
+                if self.maybe_ended:
+                    self._reap()
                 if any(h.failed_at is not None for h in self.handles):
                     self._raise_failure(targets, keep)
                 if all(h.done is not None and h.output.relayed(call) for h in targets):

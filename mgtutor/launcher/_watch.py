@@ -9,7 +9,6 @@ each rank's answer or failure on its :class:`~._handle.RankHandle`. It decides n
 from __future__ import annotations
 
 import select
-import selectors
 import sys
 import time
 from multiprocessing.connection import Connection, wait
@@ -31,11 +30,15 @@ class RankWatch:
     def __init__(self) -> None:
         self.handles: list[RankHandle] = []
         self.board: ProgressBoard | None = None
-        # The selector of _pump, kept while the set it watches stays the same (building one
-        # registers every pipe again at every wait).
-        self._selector: selectors.BaseSelector | None = None
+        # The poll object of _pump, kept while the set it watches stays the same (building one
+        # registers every pipe again at every wait), and what each of its descriptors is.
+        self._poller: Any = None
+        self._polled: dict[int, Any] = {}
         self._selected: set[Any] = set()
         self._printed = False  # a Progress message printed a line since the last flush
+        # Whether a process may have ended since the last look (an exit or a closed pipe was
+        # seen, or a wait timed out): only then is each rank's exit looked at (_reap).
+        self.maybe_ended = True
 
     def add(self, handle: RankHandle) -> None:
         """Watch one more started rank."""
@@ -73,6 +76,8 @@ class RankWatch:
             time.sleep(timeout)
             return False
         ready = self._wait(watched, timeout)
+        if not ready or any(watched[obj][1] == "exit" for obj in ready):
+            self.maybe_ended = True
         # Output first: an answer then relays the rest of its rank's output (drain), after
         # which a pipe this wait saw readable may be empty.
         for obj in sorted(ready, key=lambda o: watched[o][1] == "conn"):
@@ -90,19 +95,26 @@ class RankWatch:
         return bool(ready)
 
     def _wait(self, watched: dict[Any, tuple[RankHandle, str]], timeout: float) -> list[Any]:
-        """``multiprocessing.connection.wait`` on ``watched``, with a selector kept for reuse."""
-        if self._selector is None or self._selected != watched.keys():
-            self._selector = _Selector()
+        """The objects of ``watched`` ready to read (or closed), waiting up to ``timeout`` s."""
+        if not hasattr(select, "poll"):
+            return wait(list(watched), timeout)
+        if self._poller is None or self._selected != watched.keys():
+            self._poller = select.poll()
+            self._polled = {}
             self._selected = set(watched)
             for obj in watched:
-                self._selector.register(obj, selectors.EVENT_READ)
-        return [key.fileobj for key, _ in self._selector.select(timeout)]
+                fd = obj if isinstance(obj, int) else obj.fileno()
+                self._poller.register(fd, select.POLLIN)
+                self._polled[fd] = obj
+        milliseconds = None if timeout is None else max(0.0, timeout) * 1000
+        return [self._polled[fd] for fd, _ in self._poller.poll(milliseconds)]
 
     def _receive(self, h: RankHandle) -> None:
         try:
             message = h.conn.recv()
         except (EOFError, OSError):
             h.conn_open = False
+            self.maybe_ended = True
             return
         if isinstance(message, Progress):
             if self.board is not None:
@@ -122,6 +134,7 @@ class RankWatch:
             h.ready = True
 
     def _reap(self) -> None:
+        self.maybe_ended = False
         running = [h for h in self.handles if h.exitcode is None]
         if not running:
             return
@@ -143,9 +156,6 @@ class RankWatch:
             return conn.poll(0)
         except (EOFError, OSError):
             return False
-
-
-_Selector = getattr(selectors, "PollSelector", selectors.SelectSelector)  # as multiprocessing
 
 
 def _ended(sentinels: list[int]) -> list[int]:
