@@ -19,8 +19,10 @@ from mgtutor.doctor.reading import (
     GroupView,
     as_record,
     entry_where,
+    group_label,
     group_views,
     op_name,
+    record_notes,
     shape,
     stack_call,
     user_frame,
@@ -74,10 +76,6 @@ class _Problem:
     op: str = ""  # for a missing collective: "all_reduce #2 (process group 1)"
 
 
-def _label(name: str) -> str:
-    return "" if name == "0" else f" (process group {name})"
-
-
 def _missing(
     name: str,
     seq: int,
@@ -95,7 +93,7 @@ def _missing(
     with_entry = [r for r in reached if seq in per_rank[r].by_seq]
     entry = per_rank[with_entry[0]].by_seq[seq] if with_entry else None
     op = f"{op_name(entry)} #{seq}" if entry else f"collective #{seq}"
-    op += _label(name)
+    op += group_label(name)
     waiters = [r for r in reached if per_rank[r].waiting() == seq] or reached
     place = entry_where(records[with_entry[0]], entry) if with_entry else ""
     who = " and ".join(f"rank {r}" for r in waiters)
@@ -106,12 +104,12 @@ def _missing(
         view, record = per_rank[r], records[r]
         last = view.by_seq.get(view.last)
         if view.last and last:
-            more = f"rank {r}'s last collective{_label(name)} was {op_name(last)} #{view.last}"
+            more = f"rank {r}'s last collective{group_label(name)} was {op_name(last)} #{view.last}"
             more += f" ({w})" if (w := entry_where(record, last)) else ""
         elif view.last:
-            more = f"rank {r}'s last collective{_label(name)} was #{view.last}"
+            more = f"rank {r}'s last collective{group_label(name)} was #{view.last}"
         else:
-            more = f"rank {r} called no collective{_label(name)}"
+            more = f"rank {r} called no collective{group_label(name)}"
         if r in raised:
             here = where(user_frame(record.get("stack") or []))
             at = f" ({here})" if here else ""
@@ -145,7 +143,7 @@ def _different(
 ) -> _Problem | None:
     """The first of operation, shapes, dtypes that differs between the ranks' entry ``seq``."""
     first = min(have)
-    group = _label(name)
+    group = group_label(name)
     kinds = ("operation", "shape", "dtype")
     if op_name(have[first]) in _SIZES_MAY_DIFFER:
         kinds = ("operation", "dtype")
@@ -267,51 +265,6 @@ def _point_to_point(
     return None
 
 
-def _notes(records: dict[int, dict[str, Any]], views: dict[str, dict[int, GroupView]]) -> list[str]:
-    """What the reader should know about the records themselves."""
-    notes = []
-    partial = {
-        r: len(rec["trace"]["entries"]) for r, rec in sorted(records.items()) if wrapped(rec)
-    }
-    if partial:
-        kept = ", ".join(f"rank {r} the latest {n}" for r, n in partial.items())
-        notes.append(
-            f"partial records: a recorder keeps only the latest collectives "
-            f"(TORCH_FR_BUFFER_SIZE; here {kept}) and dropped older ones; they were compared "
-            f"where every rank still has them"
-        )
-    for rank in sorted(records):
-        record = records[rank]
-        if record.get("aborted"):
-            call, place = stack_call(record)
-            gloo = any(g.get("backend") == "gloo" for g in (record.get("groups") or {}).values())
-            notes.append(
-                f"rank {rank} was aborted (SIGABRT)"
-                + (f" in {call}" if call else "")
-                + (f" at {place}" if place else "")
-                + (
-                    ": gloo ends a rank that receives more bytes than its tensor holds "
-                    "('Received data size doesn't match expected size'), so the ranks passed "
-                    "tensors of different sizes to the same collective"
-                    if gloo
-                    else ""
-                )
-            )
-    for name, per_rank in views.items():
-        for rank, view in sorted(per_rank.items()):
-            seq = view.waiting()
-            entry = view.by_seq.get(seq) if seq else None
-            if entry is None or not str(entry.get("profiling_name", "")).startswith("nccl:"):
-                continue
-            queued = view.last - seq
-            notes.append(
-                f"on rank {rank}, {op_name(entry)} #{seq}{_label(name)} is {entry.get('state')} "
-                f"on the GPU and has not completed"
-                + (f"; {queued} later collective(s) are queued behind it" if queued else "")
-            )
-    return notes
-
-
 def diagnose(
     dumps: Mapping[int, Any],
     *,
@@ -375,7 +328,7 @@ def diagnose(
     for r in no_trace:
         why = records[r].get("error") or "no record"
         problems.append(_Problem(_LAST, "missing_record", [r], f"no record from rank {r}: {why}"))
-    notes = _notes(records, views)
+    notes = record_notes(records, views)
     analyzer = run_torch_analyzer(records)
     if not problems:
         partial = " (from partial records)" if any(wrapped(r) for r in records.values()) else ""

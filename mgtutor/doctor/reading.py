@@ -4,7 +4,8 @@ A record is what :func:`~mgtutor.doctor.own_dump` returns. Here it becomes, per 
 one :class:`GroupView` per member rank: its collectives by sequence number and the counters
 torch keeps (last enqueued, started, completed). A member with no entry for a group is kept,
 with nothing enqueued: a rank that never called the group's collective is exactly what a hang
-is about. Sequence numbers count per group; they say nothing across groups.
+is about. Sequence numbers count per group; they say nothing across groups. What the records
+themselves show (dropped entries, a rank aborted, a collective still on the GPU) becomes notes.
 """
 
 from __future__ import annotations
@@ -191,3 +192,55 @@ def entry_where(record: dict[str, Any], entry: dict[str, Any] | None) -> str:
         return found
     name, place = stack_call(record)
     return place if name and name == op_name(entry) else ""
+
+
+def group_label(name: str) -> str:
+    """How a process group is named after a collective: nothing for the default group."""
+    return "" if name == "0" else f" (process group {name})"
+
+
+def record_notes(
+    records: dict[int, dict[str, Any]], views: dict[str, dict[int, GroupView]]
+) -> list[str]:
+    """What the reader should know about the records themselves."""
+    notes = []
+    partial = {
+        r: len(rec["trace"]["entries"]) for r, rec in sorted(records.items()) if wrapped(rec)
+    }
+    if partial:
+        kept = ", ".join(f"rank {r} the latest {n}" for r, n in partial.items())
+        notes.append(
+            f"partial records: a recorder keeps only the latest collectives "
+            f"(TORCH_FR_BUFFER_SIZE; here {kept}) and dropped older ones; they were compared "
+            f"where every rank still has them"
+        )
+    for rank in sorted(records):
+        record = records[rank]
+        if record.get("aborted"):
+            call, place = stack_call(record)
+            gloo = any(g.get("backend") == "gloo" for g in (record.get("groups") or {}).values())
+            notes.append(
+                f"rank {rank} was aborted (SIGABRT)"
+                + (f" in {call}" if call else "")
+                + (f" at {place}" if place else "")
+                + (
+                    ": gloo ends a rank that receives more bytes than its tensor holds "
+                    "('Received data size doesn't match expected size'), so the ranks passed "
+                    "tensors of different sizes to the same collective"
+                    if gloo
+                    else ""
+                )
+            )
+    for name, per_rank in views.items():
+        for rank, view in sorted(per_rank.items()):
+            seq = view.waiting()
+            entry = view.by_seq.get(seq) if seq else None
+            if entry is None or not str(entry.get("profiling_name", "")).startswith("nccl:"):
+                continue
+            queued = view.last - seq
+            notes.append(
+                f"on rank {rank}, {op_name(entry)} #{seq}{group_label(name)} is "
+                f"{entry.get('state')} on the GPU and has not completed"
+                + (f"; {queued} later collective(s) are queued behind it" if queued else "")
+            )
+    return notes
