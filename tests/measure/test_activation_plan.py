@@ -131,7 +131,7 @@ def _in_ranks() -> dict:
 
 @pytest.fixture(scope="module")
 def in_ranks() -> list[dict]:
-    return mgtutor.launch(_in_ranks, world_size=2).results
+    return mgtutor.launch(_in_ranks, world_size=2, backend="gloo").results
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])

@@ -140,7 +140,7 @@ def _collectives_in_ranks() -> dict:
 
 @pytest.fixture(scope="module")
 def in_ranks() -> list[dict]:
-    return mgtutor.launch(_collectives_in_ranks, world_size=2).results
+    return mgtutor.launch(_collectives_in_ranks, world_size=2, backend="gloo").results
 
 
 def test_collectives_equal_what_ranks_run(in_ranks):
