@@ -14,6 +14,8 @@ import sys
 import types
 from typing import Any
 
+from mgtutor.launcher._send import PLAIN_TYPES
+
 
 class _RankNamespace(dict):
     """A rank's global namespace: its own names, then the last notebook values sent to it.
@@ -96,8 +98,7 @@ def take_cell_values(values: dict[str, Any]) -> None:
 
 
 def _same(a: Any, b: Any) -> bool:
-    plain = (int, float, complex, str, bytes, bool, type(None))
-    return a is b or (type(a) is type(b) and isinstance(a, plain) and a == b)
+    return a is b or (type(a) is type(b) and isinstance(a, PLAIN_TYPES) and a == b)
 
 
 def in_rank_namespace(fn: Any) -> Any:

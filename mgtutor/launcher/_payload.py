@@ -32,11 +32,11 @@ from collections.abc import Callable
 from typing import Any
 
 from mgtutor.launcher import _send
+from mgtutor.launcher._send import PLAIN_TYPES
 
 __all__ = ["PayloadCache", "payload_key", "shared"]
 
-_ATOMS = (type(None), bool, int, str, bytes)
-_NUMBERS = (float, complex)  # keyed by repr: -0.0 == 0.0 and nan != nan, their bytes differ
+_BY_REPR = (float, complex)  # -0.0 == 0.0 and nan != nan, but their bytes differ
 
 
 class _NoKey(Exception):
@@ -124,10 +124,8 @@ class _Rules:
 
     def key(self, value: Any) -> Any:
         kind = type(value)
-        if kind in _ATOMS:
-            return (kind, value)
-        if kind in _NUMBERS:
-            return (kind, repr(value))
+        if kind in PLAIN_TYPES:
+            return (kind, repr(value) if kind in _BY_REPR else value)
         if kind is tuple:
             return (tuple, *(self.key(v) for v in value))
         if kind is types.ModuleType:

@@ -18,6 +18,9 @@ from typing import Any
 from mgtutor.errors import PicklingError
 from mgtutor.launcher._messages import Context
 
+#: Values that hold no other object: compared by value, pickled as they are, never changed in
+#: place (the namespace rule, the payload's key and a rank's result use them alike).
+PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes)
 _MAX_SOURCE_BYTES = 2_000_000
 # Variables that act only when a process group is made: changed after the pool's ranks made
 # theirs, they do nothing until new ranks make a new one.
@@ -198,7 +201,7 @@ def dumps_on_cpu(result: Any) -> bytes:
     A CUDA tensor pickled as it is would be rebuilt on ``cuda:r`` in the notebook, which
     initializes CUDA in the kernel (or fails on a machine without that GPU).
     """
-    if type(result) in _PLAIN:
+    if type(result) in PLAIN_TYPES:
         return pickle.dumps(result, protocol=pickle.DEFAULT_PROTOCOL)  # 1 us, not 8
     import io
 
@@ -207,7 +210,6 @@ def dumps_on_cpu(result: Any) -> bytes:
     return buffer.getvalue()
 
 
-_PLAIN = (type(None), bool, int, float, complex, str, bytes)  # no tensor inside: plain pickle
 _pickler_class: Any = None
 
 
