@@ -78,4 +78,6 @@ def test_ci_floor_environment_gets_the_rest_of_requirements() -> None:
         for item in re.findall(r'"([^"]+)"', listed)
     )
     wanted = {n: s for n, s in _requirements().items() if n not in NOT_ON_FLOOR}
+    # cloudpickle is held at its own floor there (the newest is stage 1's).
+    wanted["cloudpickle"] = wanted["cloudpickle"].replace(">=", "==")
     assert others == wanted

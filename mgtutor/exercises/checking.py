@@ -190,8 +190,7 @@ def _check(
     Returns:
         One :class:`CheckResult` per candidate, in order.
     """
-    import cloudpickle
-
+    from mgtutor.launcher._send import dumps
     from mgtutor.launcher.launch import launch
 
     name = f"{exercise.name} ({label})" if label else exercise.name
@@ -201,7 +200,7 @@ def _check(
         payloads = []
         for i in list(pending):
             try:
-                payloads.append(cloudpickle.dumps(tuple(candidates[i])))
+                payloads.append(dumps(tuple(candidates[i])))
             except Exception as exc:
                 pending.remove(i)
                 results[i] = CheckResult(

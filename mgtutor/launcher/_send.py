@@ -9,9 +9,12 @@ notebook's environment, of which some variables act only when a process group is
 from __future__ import annotations
 
 import linecache
+import marshal
 import os
 import pickle
 import sys
+import types
+from collections import ChainMap
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -51,10 +54,8 @@ def pickle_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
         mgtutor.errors.PicklingError: something cannot be pickled; the message names the
             variable or argument that holds it.
     """
-    import cloudpickle
-
     try:
-        return cloudpickle.dumps((fn, args, kwargs))
+        return dumps((fn, args, kwargs))
     except Exception as exc:
         culprit = _unsendable(fn, args, kwargs) or "fn (or something it uses)"
         raise PicklingError(
@@ -65,6 +66,51 @@ def pickle_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
         ) from exc
 
 
+def dumps(value: Any) -> bytes:
+    """``cloudpickle.dumps(value)``, except that code keeps the name of its file.
+
+    cloudpickle 3.1.3 writes every code object's file as ``"<dynamic-code>"`` (to make its
+    bytes the same wherever a function was defined); a rank's traceback then names no file and
+    shows no line of the cell or test that raised. Here a code object travels as ``marshal``
+    writes it, file name included: the ranks run this same interpreter, so they read it back.
+    """
+    import io
+
+    buffer = io.BytesIO()
+    _pickler()(buffer).dump(value)
+    return buffer.getvalue()
+
+
+def _code_reduce(code: types.CodeType) -> tuple:
+    try:
+        return marshal.loads, (marshal.dumps(code),)
+    except ValueError:  # a constant marshal cannot write (only code built by hand has one)
+        return _cloudpickle_code_reduce(code)
+
+
+def _cloudpickle_code_reduce(code: types.CodeType) -> tuple:
+    import cloudpickle
+
+    return cloudpickle.Pickler.dispatch_table[types.CodeType](code)
+
+
+_pickler_classes: dict[str, Any] = {}
+
+
+def _pickler() -> Any:
+    """cloudpickle's pickler with :func:`_code_reduce` for code (made once: 20 us a class)."""
+    if "send" not in _pickler_classes:
+        import cloudpickle
+
+        class _Pickler(cloudpickle.Pickler):
+            dispatch_table = ChainMap(
+                {types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table
+            )
+
+        _pickler_classes["send"] = _Pickler
+    return _pickler_classes["send"]
+
+
 def _type_name(value: Any) -> str:
     kind = type(value)
     if kind.__module__ == "builtins":
@@ -73,10 +119,8 @@ def _type_name(value: Any) -> str:
 
 
 def _fails(value: Any) -> bool:
-    import cloudpickle
-
     try:
-        cloudpickle.dumps(value)
+        dumps(value)
         return False
     except Exception:
         return True
@@ -210,21 +254,16 @@ def dumps_on_cpu(result: Any) -> bytes:
     return buffer.getvalue()
 
 
-_pickler_class: Any = None
-
-
 def _cpu_pickler() -> Any:
     """The pickler class of :func:`dumps_on_cpu`, made once (a class per call cost 20 us)."""
-    global _pickler_class
-    if _pickler_class is None:
-        import cloudpickle
+    if "cpu" not in _pickler_classes:
 
-        class _CpuPickler(cloudpickle.Pickler):
+        class _CpuPickler(_pickler()):
             def reducer_override(self, obj: Any) -> Any:
                 torch = sys.modules.get("torch")
                 if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
                     return obj.detach().cpu().__reduce_ex__(self.proto)
                 return super().reducer_override(obj)
 
-        _pickler_class = _CpuPickler
-    return _pickler_class
+        _pickler_classes["cpu"] = _CpuPickler
+    return _pickler_classes["cpu"]

@@ -146,7 +146,7 @@ def names_read(source: str) -> set[str]:
 
 def _notebook_values(source: str, user_ns: dict[str, Any]) -> dict[str, Any]:
     """The notebook's values of the names a cell reads, less those that cannot travel."""
-    import cloudpickle
+    from mgtutor.launcher._send import dumps
 
     hidden = {"In", "Out", "get_ipython", "exit", "quit"}
     values = {
@@ -155,14 +155,14 @@ def _notebook_values(source: str, user_ns: dict[str, Any]) -> dict[str, Any]:
         if name in user_ns and name not in hidden and not name.startswith("_")
     }
     try:
-        cloudpickle.dumps(values)
+        dumps(values)
         return values
     except Exception:
         pass
     sendable = {}
     for name, value in values.items():
         try:
-            cloudpickle.dumps(value)
+            dumps(value)
             sendable[name] = value
         except Exception as exc:
             print(
