@@ -38,6 +38,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = kept
 
 
+@pytest.fixture(autouse=True)
+def _gloo_unless_gpu(request, monkeypatch) -> None:
+    """Unit tests build CPU tensors: on a machine with a GPU per rank, a launch that names no
+    backend would join NCCL and fail in its first collective. They run on gloo there too (as
+    here); the tests marked ``gpu`` keep each rank's own choice."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("MGTUTOR_BACKEND", "gloo")
+
+
 @pytest.fixture(params=["forkserver", "spawn"])
 def start_method(request, monkeypatch) -> str:
     """Run a launcher test once per start method: mgtutor.launch's default is set to each."""

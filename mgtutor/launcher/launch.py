@@ -59,7 +59,8 @@ def launch(
         fn: the work of one rank; may be defined in a notebook cell, a closure or a lambda.
         *args: positional arguments for fn (pickled; each rank gets its own copy).
         world_size: number of ranks.
-        backend: "gloo" or "nccl" for every rank's :func:`mgtutor.setup`; None lets setup pick
+        backend: "gloo" or "nccl" for every rank's :func:`mgtutor.setup`; None takes the
+            notebook's MGTUTOR_BACKEND where it is set, else lets setup pick
             (NCCL with one GPU per rank, else gloo).
         timeout: seconds fn may run, counted from the moment every rank has started it; None
             (the default) means no limit. Past it every rank is stopped and
@@ -107,6 +108,7 @@ def launch(
             "mgtutor.launch() was called while a worker process was starting up. Put the code "
             'that launches under `if __name__ == "__main__":` in your script.'
         )
+    backend = _processes.backend_asked_for(backend)
     _processes.check_arguments(world_size, backend, timeout, start_timeout, start_method)
     payload, _ = _payload.shared.dumps(fn, args, kwargs)  # fails before any process starts
     started = time.perf_counter()

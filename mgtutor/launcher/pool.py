@@ -78,7 +78,8 @@ class Pool:
 
     Args:
         world_size: number of ranks.
-        backend: "gloo" or "nccl"; None picks NCCL with one GPU per rank, else gloo.
+        backend: "gloo" or "nccl"; None takes the notebook's MGTUTOR_BACKEND where it is set,
+            else picks NCCL with one GPU per rank, else gloo.
         start_timeout: seconds the ranks may take to start and join the process group, and
             each call to unpickle fn; None means no limit.
         start_method: "forkserver" (the default) or "spawn", as for :func:`mgtutor.launch`.
@@ -113,6 +114,7 @@ class Pool:
                 "mgtutor started ranks while a rank process was starting up. Put the code that "
                 'launches under `if __name__ == "__main__":` in your script.'
             )
+        backend = _processes.backend_asked_for(backend)
         _processes.check_arguments(world_size, backend, None, start_timeout, start_method)
         self.world_size = world_size
         self.backend = backend

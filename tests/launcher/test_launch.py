@@ -92,6 +92,27 @@ def test_setup_joins_gloo_on_cpu_and_all_reduce_works() -> None:
     assert [r.device for r in run.ranks] == ["cpu", "cpu"]
 
 
+def test_the_notebooks_mgtutor_backend_reaches_the_ranks_unless_a_backend_is_named(
+    monkeypatch,
+) -> None:
+    # What keeps CPU-only work on gloo on a machine with a GPU per rank (conftest sets it).
+    def seen() -> str | None:
+        return os.environ.get("MGTUTOR_BACKEND")
+
+    monkeypatch.setenv("MGTUTOR_BACKEND", "gloo")
+    assert mgtutor.launch(seen, world_size=1).results == ["gloo"]
+    monkeypatch.setenv("MGTUTOR_BACKEND", "nccl")
+    if torch.cuda.device_count() == 0:
+        with pytest.raises(mgtutor.ArgumentError, match="nccl"):  # refused before any start
+            mgtutor.launch(seen, world_size=1)
+    assert mgtutor.launch(seen, world_size=1, backend="gloo").results == ["gloo"]
+    monkeypatch.setenv("MGTUTOR_BACKEND", "gpu")
+    with pytest.raises(mgtutor.ArgumentError, match="MGTUTOR_BACKEND='gpu'"):
+        mgtutor.Pool(world_size=1)
+    monkeypatch.delenv("MGTUTOR_BACKEND")
+    assert mgtutor.launch(seen, world_size=1).results == [None]
+
+
 def test_process_group_is_destroyed_when_fn_returns() -> None:
     def work() -> bool:
         import atexit
