@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 UNIT_TEST_TIMEOUT_S = 90
@@ -38,13 +40,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = kept
 
 
-@pytest.fixture(autouse=True)
-def _gloo_unless_gpu(request, monkeypatch) -> None:
+@pytest.fixture(autouse=True, scope="module")
+def _gloo_in_unit_tests() -> Iterator[None]:
     """Unit tests build CPU tensors: on a machine with a GPU per rank, a launch that names no
-    backend would join NCCL and fail in its first collective. They run on gloo there too (as
-    here); the tests marked ``gpu`` keep each rank's own choice."""
-    if request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setenv("MGTUTOR_BACKEND", "gloo")
+    backend would join NCCL and fail in its first collective. MGTUTOR_BACKEND=gloo keeps them on
+    gloo there too (as here), module-scoped fixtures' launches included. nbval's notebook cells
+    take no fixtures: the notebooks choose for themselves."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MGTUTOR_BACKEND", "gloo")
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _own_choice_in_gpu_tests(request, monkeypatch) -> None:
+    """Tests marked ``gpu`` keep each rank's own choice (NCCL with a GPU per rank)."""
+    if request.node.get_closest_marker("gpu") is not None:
+        monkeypatch.delenv("MGTUTOR_BACKEND", raising=False)
 
 
 @pytest.fixture(params=["forkserver", "spawn"])

@@ -34,6 +34,7 @@ def clean_env(monkeypatch):
     saved = dict(os.environ)  # setup() under SLURM writes RANK etc. itself: restore everything
     for name in LAUNCHER_VARS:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MGTUTOR_BACKEND", "gloo")  # CPU tests: gloo on a GPU machine too
     threads = torch.get_num_threads()
     yield monkeypatch
     mgtutor.teardown()
