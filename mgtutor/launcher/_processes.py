@@ -60,24 +60,18 @@ _INHERITED_RENDEZVOUS = (
 
 
 def backend_asked_for(backend: Any) -> Any:
-    """backend, else the MGTUTOR_BACKEND of this process's environment, else None.
-
-    Each rank's :func:`mgtutor.setup` reads MGTUTOR_BACKEND, so a notebook (or a test run) that
-    sets it keeps every launch that names no backend on it: ``MGTUTOR_BACKEND=gloo`` keeps
-    CPU-only work off NCCL on a machine with a GPU per rank.
+    """backend, else this process's MGTUTOR_BACKEND (each rank's setup() reads it), else None.
 
     Raises:
         mgtutor.errors.ArgumentError: MGTUTOR_BACKEND names no backend.
     """
-    if backend is not None:
-        return backend
     named = os.environ.get("MGTUTOR_BACKEND") or None
-    if named is not None and named not in BACKENDS:
-        raise ArgumentError(
-            f"MGTUTOR_BACKEND={named!r} in this process's environment is not one of {BACKENDS}; "
-            f"set it to one of them, or unset it to let each rank choose"
-        )
-    return named
+    if backend is not None or named in (None, *BACKENDS):
+        return backend or named
+    raise ArgumentError(
+        f"MGTUTOR_BACKEND={named!r} in this process's environment is not one of {BACKENDS}; "
+        f"set it to one of them, or unset it to let each rank choose"
+    )
 
 
 def check_arguments(
