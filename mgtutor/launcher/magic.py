@@ -101,15 +101,18 @@ def _pool() -> Pool:
     return pool
 
 
-def _run_source(source: str, filename: str, values: dict[str, Any]) -> str | None:
+def _run_source(source: str, filename: str, values: bytes) -> str | None:
     """Inside a rank: run a cell's code in the rank's namespace; the last expression's repr.
 
-    ``values`` are the notebook's values of the names the cell reads; the rank's own names win
-    over them (the pool's namespace rule, :mod:`mgtutor.launcher._namespace`).
+    ``values`` are the notebook's values of the names the cell reads, pickled once in the
+    notebook (:func:`_notebook_values`); the rank's own names win over them (the pool's
+    namespace rule, :mod:`mgtutor.launcher._namespace`).
     """
+    import pickle
+
     from mgtutor.launcher._namespace import namespace, take_cell_values
 
-    take_cell_values(values)
+    take_cell_values(pickle.loads(values))
     space = namespace()
     tree = ast.parse(source, filename)
     last = None
@@ -144,8 +147,12 @@ def names_read(source: str) -> set[str]:
     return read - bound
 
 
-def _notebook_values(source: str, user_ns: dict[str, Any]) -> dict[str, Any]:
-    """The notebook's values of the names a cell reads, less those that cannot travel."""
+def _notebook_values(source: str, user_ns: dict[str, Any]) -> bytes:
+    """The notebook's values of the names a cell reads, less those that cannot travel, pickled.
+
+    Pickled here, once: trying is how a value that cannot travel is found, and the bytes then
+    travel as they are.
+    """
     from mgtutor.launcher._send import dumps
 
     hidden = {"In", "Out", "get_ipython", "exit", "quit"}
@@ -155,8 +162,7 @@ def _notebook_values(source: str, user_ns: dict[str, Any]) -> dict[str, Any]:
         if name in user_ns and name not in hidden and not name.startswith("_")
     }
     try:
-        dumps(values)
-        return values
+        return dumps(values)
     except Exception:
         pass
     sendable = {}
@@ -171,7 +177,7 @@ def _notebook_values(source: str, user_ns: dict[str, Any]) -> dict[str, Any]:
                 f"if they have one; build it in a %%ddp cell otherwise.",
                 flush=True,
             )
-    return sendable
+    return dumps(sendable)
 
 
 def _parse_ranks(text: str) -> list[int]:

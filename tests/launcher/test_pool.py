@@ -407,12 +407,24 @@ def test_ddp_cell_magic_keeps_each_ranks_namespace(capsys) -> None:
         shell.run_cell_magic("ddp", "", "r * scale")
         assert shell.user_ns["_ddp"].results == ["0", "5"]
         assert "`scale`" not in capsys.readouterr().out  # equal values: nothing to say
+        # The notebook's values are pickled once: the check that they can travel is the pickling.
+        shell.run_cell(
+            "pickled = []\n"
+            "class Counted:\n"
+            "    def __reduce__(self):\n"
+            "        pickled.append(1)\n"
+            "        return (int, (4,))\n"
+            "counted = Counted()"
+        ).raise_error()
+        shell.run_cell_magic("ddp", "", "r + counted")
+        assert shell.user_ns["_ddp"].results == ["4", "5"]
+        assert len(shell.user_ns["pickled"]) == 1
         with pytest.raises(ValueError, match="the notebook has no nowhere"):
             shell.run_line_magic("ddp_push", "nowhere")
         pids = mgtutor.launcher.magic.current_pool().run(os.getpid).results
     finally:
         shell.run_line_magic("ddp_stop", "")
-        for name in ("scale", "double"):
+        for name in ("scale", "double", "pickled", "Counted", "counted"):
             shell.user_ns.pop(name, None)
     assert mgtutor.launcher.magic.current_pool() is None
     assert not any(psutil.pid_exists(p) for p in pids)
