@@ -24,12 +24,12 @@ module checks it on CPU ranks and says where torch 2.14 does something else:
 How calls are counted: a ``TorchDispatchMode`` sees every ``c10d`` operator, the layer that
 every ``ProcessGroup`` call goes through, whoever makes it: DDP's reducer from C++, FSDP2,
 ``ZeroRedundancyOptimizer`` and the pipeline schedules from Python, point-to-point sends
-included. Wrapping ``torch.distributed``'s Python functions misses the reducer (notebook 12
-needs a communication hook for it) and depends on which of two names a library calls
-(``all_gather_single`` or ``all_gather_into_tensor``); Flight Recorder on gloo sees every
-collective but not ``send`` and ``recv``. A dispatch mode holds for the thread that enters it
-(on CPU, autograd runs backward on that thread); a collective started from another thread is
-not seen.
+included. Wrapping ``torch.distributed``'s Python functions misses the reducer (it would
+need a communication hook that all-reduces from Python) and depends on which of two names a
+library calls (``all_gather_single`` or ``all_gather_into_tensor``); Flight Recorder on gloo
+sees every collective but not ``send`` and ``recv``. A dispatch mode holds for the thread that
+enters it (on CPU, autograd runs backward on that thread); a collective started from another
+thread is not seen.
 
 The bytes a GPU sends per call follow the textbook ring on N ranks, written here apart from
 the planner's so that the two can disagree: (N-1)/N of the buffer for an all-gather, a
