@@ -25,6 +25,7 @@ torch is imported when this module is, so ``import mgtutor`` loads it lazily
 from __future__ import annotations
 
 import gc
+import time
 from collections import Counter
 from typing import Any
 
@@ -34,6 +35,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["LiveTensors"]
+
+
+_SETTLE_READS = 50  # at most 50 ms more, in the unlikely case the count keeps falling
 
 
 class LiveTensors(TorchDispatchMode):
@@ -77,10 +81,21 @@ class LiveTensors(TorchDispatchMode):
     def live_bytes(self) -> int:
         """Bytes of the storages created inside the block that are alive now.
 
-        Garbage in reference cycles is collected first, so it does not count.
+        Garbage in reference cycles is collected first, so it does not count. Nor does a
+        tensor a process group's worker thread is still letting go of: gloo marks a collective
+        done before its thread drops the work and the tensors it holds, and that thread may
+        need the GIL to free them. So the count is read again, the GIL released in between,
+        until two readings agree.
         """
         gc.collect()
-        return self._alive()
+        now = self._alive()
+        for _ in range(_SETTLE_READS):
+            time.sleep(0.001)
+            again = self._alive()
+            if again == now:
+                break
+            now = again
+        return now
 
     def _alive(self) -> int:
         for key in [k for k, ref in self._storages.items() if ref.expired()]:

@@ -76,3 +76,30 @@ def test_garbage_in_a_cycle_does_not_count_and_the_collector_comes_back():
         del cycle
         assert live.live_bytes() == 0
     assert gc.isenabled()
+
+
+def test_a_tensor_another_thread_is_letting_go_of_does_not_count(monkeypatch):
+    # As gloo's worker thread holds a finished collective's tensor for a moment: the reading
+    # is taken again after the GIL was released, here the moment the holder lets go.
+    import threading
+
+    from mgtutor.measure import activations
+
+    held, release = [], threading.Event()
+
+    def holder():
+        release.wait()
+        held.clear()
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+
+    def sleep(seconds):
+        release.set()
+        thread.join()
+
+    with LiveTensors() as live:
+        held.append(torch.ones(1000))
+        kept = torch.ones(10)
+        monkeypatch.setattr(activations.time, "sleep", sleep)
+        assert live.live_bytes() == kept.nbytes
