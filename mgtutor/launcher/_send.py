@@ -8,6 +8,7 @@ notebook's environment, of which some variables act only when a process group is
 
 from __future__ import annotations
 
+import functools
 import linecache
 import marshal
 import os
@@ -94,21 +95,17 @@ def _cloudpickle_code_reduce(code: types.CodeType) -> tuple:
     return cloudpickle.Pickler.dispatch_table[types.CodeType](code)
 
 
-_pickler_classes: dict[str, Any] = {}
-
-
+@functools.cache
 def _pickler() -> Any:
     """cloudpickle's pickler with :func:`_code_reduce` for code (made once: 20 us a class)."""
-    if "send" not in _pickler_classes:
-        import cloudpickle
+    import cloudpickle
 
-        class _Pickler(cloudpickle.Pickler):
-            dispatch_table = ChainMap(
-                {types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table
-            )
+    class _Pickler(cloudpickle.Pickler):
+        dispatch_table = ChainMap(
+            {types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table
+        )
 
-        _pickler_classes["send"] = _Pickler
-    return _pickler_classes["send"]
+    return _Pickler
 
 
 def _type_name(value: Any) -> str:
@@ -254,16 +251,15 @@ def dumps_on_cpu(result: Any) -> bytes:
     return buffer.getvalue()
 
 
+@functools.cache
 def _cpu_pickler() -> Any:
     """The pickler class of :func:`dumps_on_cpu`, made once (a class per call cost 20 us)."""
-    if "cpu" not in _pickler_classes:
 
-        class _CpuPickler(_pickler()):
-            def reducer_override(self, obj: Any) -> Any:
-                torch = sys.modules.get("torch")
-                if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-                    return obj.detach().cpu().__reduce_ex__(self.proto)
-                return super().reducer_override(obj)
+    class _CpuPickler(_pickler()):
+        def reducer_override(self, obj: Any) -> Any:
+            torch = sys.modules.get("torch")
+            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+                return obj.detach().cpu().__reduce_ex__(self.proto)
+            return super().reducer_override(obj)
 
-        _pickler_classes["cpu"] = _CpuPickler
-    return _pickler_classes["cpu"]
+    return _CpuPickler

@@ -82,6 +82,7 @@ def test_a_tensor_another_thread_is_letting_go_of_does_not_count(monkeypatch):
     # As gloo's worker thread holds a finished collective's tensor for a moment: the reading
     # is taken again after the GIL was released, here the moment the holder lets go.
     import threading
+    import types
 
     from mgtutor.measure import activations
 
@@ -101,5 +102,5 @@ def test_a_tensor_another_thread_is_letting_go_of_does_not_count(monkeypatch):
     with LiveTensors() as live:
         held.append(torch.ones(1000))
         kept = torch.ones(10)
-        monkeypatch.setattr(activations.time, "sleep", sleep)
+        monkeypatch.setattr(activations, "time", types.SimpleNamespace(sleep=sleep))
         assert live.live_bytes() == kept.nbytes
