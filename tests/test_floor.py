@@ -1,8 +1,9 @@
 """The oldest supported torch is declared the same everywhere, and is the one CI tests.
 
-requirements.txt, pyproject.toml, environment.yml and .ci/run each name the floor; .ci/run
-installs exactly that pair in a second environment and runs the unit tests there. Reads text
-files only: no torch import.
+Two floors: the workbook's (requirements.txt and environment.yml: every notebook and test runs on
+it, .ci/run's stage 2) and the package's (pyproject.toml: mgtutor alone, its unit tests, stage 3).
+.ci/run names both pairs and installs each in its own environment. Reads text files only: no
+torch import.
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Left out of the floor environment: the notebooks and the browser test do not run there, and
-# mgtutor itself is installed on its own (--no-deps -e .).
+# Left out of the package's floor environment: the notebooks and the browser test do not run
+# there, and mgtutor itself is installed on its own (--no-deps -e .).
 NOT_ON_FLOOR = {"torch", "torchvision", "jupyterlab", "playwright"}
 
 
@@ -39,35 +40,64 @@ def _ci_value(text: str, variable: str) -> str:
     return match.group(1)
 
 
-def test_floor_is_the_same_in_requirements_pyproject_environment_and_ci() -> None:
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(map(int, text.split(".")))
+
+
+def _pyproject_floor(name: str) -> str:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"^dependencies = \[(.*?)\]", pyproject, re.MULTILINE | re.DOTALL).group(1)
+    (spec,) = re.findall(rf'"{name}(>=[^"]+)"', block)
+    return _floor(spec, name)
+
+
+def test_workbook_floor_is_the_same_in_requirements_environment_and_ci() -> None:
     requirements = _requirements()
     torch_floor = _floor(requirements["torch"], "torch")
     vision_floor = _floor(requirements["torchvision"], "torchvision")
-    declared = {f"torch>={torch_floor}", f"torchvision>={vision_floor}"}
-
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    block = re.search(r"^dependencies = \[(.*?)\]", pyproject, re.MULTILINE | re.DOTALL).group(1)
-    dependencies = set(re.findall(r'"([^"]+)"', block))
-    assert {d for d in dependencies if re.match(r"torch(vision)?\b", d)} == declared
 
     environment = (ROOT / "environment.yml").read_text()
-    for requirement in declared:
+    assert "-r requirements.txt" in environment
+    for requirement in (f"torch>={torch_floor}", f"torchvision>={vision_floor}"):
         assert requirement in environment, f"environment.yml does not mention {requirement}"
 
     ci = (ROOT / ".ci" / "run").read_text()
-    assert _ci_value(ci, "FLOOR_TORCH") == torch_floor
-    assert _ci_value(ci, "FLOOR_TORCHVISION") == vision_floor
+    assert _ci_value(ci, "WORKBOOK_FLOOR_TORCH") == torch_floor
+    assert _ci_value(ci, "WORKBOOK_FLOOR_TORCHVISION") == vision_floor
+    # Stage 2 runs the README's whole command on that pair.
+    assert re.search(
+        r'^tools/test_on_torch\.sh "\$WORKBOOK_FLOOR_TORCH" "\$WORKBOOK_FLOOR_TORCHVISION"$',
+        ci,
+        re.MULTILINE,
+    )
 
 
-def test_floor_is_a_matching_pair_no_newer_than_2_6() -> None:
-    requirements = _requirements()
-    torch_floor = _floor(requirements["torch"], "torch").split(".")
-    vision_floor = _floor(requirements["torchvision"], "torchvision").split(".")
-    major, minor, patch = map(int, torch_floor)
-    # torch 2.N.P is released with torchvision 0.(N+15).P (2.4.1 with 0.19.1, 2.6.0 with 0.21.0).
-    assert major == 2 and list(map(int, vision_floor)) == [0, minor + 15, patch]
-    # Many clusters run torch 2.5 to 2.8: the floor must not shut them out.
-    assert (major, minor) <= (2, 6)
+def test_package_floor_is_the_same_in_pyproject_and_ci() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert _pyproject_floor("torch") == _ci_value(ci, "PACKAGE_FLOOR_TORCH")
+    assert _pyproject_floor("torchvision") == _ci_value(ci, "PACKAGE_FLOOR_TORCHVISION")
+
+
+def test_floors_are_matching_pairs_the_package_no_newer_than_2_6() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    pairs = {
+        "workbook": (
+            _ci_value(ci, "WORKBOOK_FLOOR_TORCH"),
+            _ci_value(ci, "WORKBOOK_FLOOR_TORCHVISION"),
+        ),
+        "package": (
+            _ci_value(ci, "PACKAGE_FLOOR_TORCH"),
+            _ci_value(ci, "PACKAGE_FLOOR_TORCHVISION"),
+        ),
+    }
+    for torch_floor, vision_floor in pairs.values():
+        major, minor, patch = _version(torch_floor)
+        # torch 2.N.P comes with torchvision 0.(N+15).P (2.4.1 with 0.19.1, 2.11.0 with 0.26.0).
+        assert major == 2 and _version(vision_floor) == (0, minor + 15, patch)
+    # The notebooks need the workbook's floor; mgtutor alone promises no more than it does.
+    assert _version(pairs["package"][0]) <= _version(pairs["workbook"][0])
+    # Many clusters run torch 2.5 to 2.8: the package's floor must not shut them out.
+    assert _version(pairs["package"][0])[:2] <= (2, 6)
 
 
 def test_ci_floor_environment_gets_the_rest_of_requirements() -> None:
