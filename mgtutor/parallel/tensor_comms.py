@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mgtutor.parallel._tally import Tally
 
@@ -43,6 +44,7 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 __all__ = [
     "Collective",
+    "CollectiveCounter",
     "by_kind",
     "copy_to_parallel",
     "count_collectives",
@@ -91,6 +93,60 @@ def by_kind(counts: Mapping[Any, int] | list[Collective]) -> dict[str, int]:
         kind = next((k for k in ("all_reduce", "all_gather", "reduce_scatter") if k in name), name)
         out[kind] += n
     return dict(out)
+
+
+_COLLECTIVE_NAMESPACES = (
+    "c10d",
+    "_c10d_functional",
+    "c10d_functional",
+    "_c10d_functional_autograd",
+)
+_COLLECTIVE_WORDS = (
+    "allreduce",
+    "all_reduce",
+    "allgather",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "alltoall",
+    "all_to_all",
+)
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Count the collective operators run inside the block: torch's ``CommDebugMode``, by hand.
+
+    ``get_comm_counts()`` returns ``{"namespace.operator": calls}``, which :func:`by_kind`
+    reads as it reads ``CommDebugMode().get_comm_counts()``: DTensor's collectives
+    (``_c10d_functional.*``) and ``torch.distributed``'s (``c10d.*``) alike. As
+    ``CommDebugMode`` does, an operator on a DTensor is handed back (``NotImplemented``) so
+    that DTensor turns it into the collectives it needs, which are then counted.
+
+    For torch 2.11 to 2.13, whose ``CommDebugMode`` raises IndexError in
+    ``_fw_set_module_hook`` when a module runs twice in one forward, as ``tensor.Block``'s
+    dropout does: each run adds a forward hook that pops the module's parent, so the second
+    run pops twice (torch 2.14's ``debug/_comm_mode.py`` removes the earlier hook first).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        name = getattr(func, "_opname", "")
+        if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES and any(
+            word in name for word in _COLLECTIVE_WORDS
+        ):
+            self.counts[f"{func.namespace}.{name}"] += 1
+        return func(*args, **(kwargs or {}))
+
+    def get_comm_counts(self) -> dict[str, int]:
+        """Calls so far, by operator, as ``CommDebugMode.get_comm_counts`` gives them."""
+        return dict(self.counts)
 
 
 def _record(name: str, phase: str, nbytes: int) -> None:
