@@ -19,6 +19,12 @@ def run_torch_analyzer(records: dict[int, dict[str, Any]]) -> list[str]:
     pairing a group after its first mismatch, does not read ``pg_status`` (so it cannot tell
     a rank that is behind from one whose oldest entries left the ring buffer), and knows
     nothing of ranks that returned from fn. Its verdicts are kept next to the diagnosis.
+
+    torch 2.11's analyzer (``components/types.py``, ``Op``) accepts only ``nccl:`` and ``xccl:``
+    names and stops on gloo's (2.14 added ``gloo``). The prefix only names the library: the
+    matching reads the operation after it (torch 2.15's ``types.py`` says so and accepts any
+    prefix). When the analyzer rejects the records as they are, they are given to it again with
+    ``gloo:`` read as ``nccl:``.
     """
     from argparse import Namespace
 
@@ -53,7 +59,13 @@ def run_torch_analyzer(records: dict[int, dict[str, Any]]) -> list[str]:
     args = Namespace(verbose=False, just_print_entries=False, allow_incomplete_ranks=True)
     args.mismatch_cap = 10
     try:
-        db = build_db(details, args, version)
+        try:
+            db = build_db(details, args, version)
+        except AssertionError:
+            renamed = _gloo_as_nccl(details)
+            if renamed is None:
+                raise
+            db = build_db(renamed, args, version)
     except Exception as exc:
         return [f"could not read these records ({type(exc).__name__}: {exc})"]
     finally:
@@ -70,3 +82,18 @@ def run_torch_analyzer(records: dict[int, dict[str, Any]]) -> list[str]:
                 f"{other.type_of_mismatch.state.name if other.type_of_mismatch else 'differs'}"
             )
     return lines
+
+
+def _gloo_as_nccl(details: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]] | None:
+    """The records with ``gloo:`` names read as ``nccl:`` (None: no gloo entry to rename)."""
+    renamed, changed = {}, False
+    for rank, trace in details.items():
+        entries = []
+        for entry in trace.get("entries", []):
+            name = entry.get("profiling_name") or ""
+            if name.startswith("gloo:"):
+                entry = {**entry, "profiling_name": "nccl:" + name[len("gloo:") :]}
+                changed = True
+            entries.append(entry)
+        renamed[rank] = {**trace, "entries": entries}
+    return renamed if changed else None
