@@ -21,6 +21,7 @@ from mgtutor.doctor.reading import (
     entry_where,
     group_label,
     group_views,
+    left_no_record,
     op_name,
     record_notes,
     shape,
@@ -47,7 +48,9 @@ class Diagnosis:
             "missing_record", "no_recorder" or "agree".
         ranks: the ranks the summary blames.
         seq: the collective's sequence number in its process group (None if not one).
-        records: the raw records, rank -> record, for whoever wants to look.
+        records: the raw records, rank -> record, for whoever wants to look; a rank that left
+            none has a placeholder (``trace`` None, ``from_peers`` True) with the process
+            groups its peers' records give it.
         analyzer: what torch's analyzer (``torch.distributed.flight_recorder``) found, one line
             per collective it could not match, or why it could not run.
     """
@@ -323,8 +326,10 @@ def diagnose(
         problems = [order, *(p for p in problems if p.kind != "behind")]
     if not problems and (p2p := _point_to_point(records, finished, raised, work)):
         problems.append(p2p)
+    placeholders = {}
     for r in absent:
-        problems.append(_Problem(_LAST, "missing_record", [r], f"no record from rank {r}"))
+        head, placeholders[r] = left_no_record(r, records, views, size)
+        problems.append(_Problem(_LAST, "missing_record", [r], head))
     for r in no_trace:
         why = records[r].get("error") or "no record"
         problems.append(_Problem(_LAST, "missing_record", [r], f"no record from rank {r}: {why}"))
@@ -355,6 +360,6 @@ def diagnose(
         kind=first.kind,
         ranks=first.ranks,
         seq=None if first.seq >= _LAST - 1 else first.seq,
-        records=records,
+        records={**records, **placeholders},
         analyzer=analyzer,
     )

@@ -244,3 +244,46 @@ def record_notes(
                 + (f"; {queued} later collective(s) are queued behind it" if queued else "")
             )
     return notes
+
+
+def left_no_record(
+    rank: int, records: dict[int, dict[str, Any]], views: dict[str, dict[int, GroupView]], size: int
+) -> tuple[str, dict[str, Any]]:
+    """What the peers' records say of ``rank``, which left none: a line, and a placeholder record.
+
+    The line names, per process group ``rank`` belongs to, its backend and the last collective
+    each peer issued in it, with its shapes: the collective the rank most likely died in. The
+    placeholder (``trace`` None, ``from_peers`` True) holds those groups and their backends, so
+    that a rank ended by SIGABRT on gloo is not blamed on NCCL's watchdog (see
+    :func:`~mgtutor.doctor.aborted_on_gloo`).
+    """
+    members = _members(records, size)
+    groups: dict[str, dict[str, Any]] = {}
+    said = []
+    for name in sorted(n for n, ranks in members.items() if rank in ranks):
+        known = next(
+            (rec["groups"][name] for rec in records.values() if name in (rec.get("groups") or {})),
+            {},
+        )
+        backend = known.get("backend", "")
+        for peer, view in sorted(views.get(name, {}).items()):
+            entry = view.by_seq.get(view.last)
+            if entry is None:
+                continue
+            backend = backend or str(entry.get("profiling_name", "")).split(":", 1)[0]
+            place = entry_where(records[peer], entry)
+            said.append(
+                f"rank {peer}'s last collective{group_label(name)} was {op_name(entry)} "
+                f"#{view.last} {shape(entry)}" + (f" ({place})" if place else "")
+            )
+        groups[name] = {"ranks": sorted(members[name]), "backend": backend}
+    backends = ", ".join(sorted({g["backend"] for g in groups.values() if g["backend"]}))
+    line = f"no record from rank {rank}" + (f" ({backends})" if backends else "")
+    line += (": " + "; ".join(said)) if said else ""
+    return line, {
+        "rank": rank,
+        "trace": None,
+        "error": "left no record",
+        "groups": groups,
+        "from_peers": True,
+    }

@@ -224,16 +224,21 @@ def request_dumps(
 
 
 def aborted_on_gloo(record: Mapping[str, Any] | None) -> bool:
-    """Whether ``record`` was written as native code aborted its rank, gloo being its backend.
+    """Whether a rank that SIGABRT ended used gloo only: then gloo ended it, not NCCL's watchdog.
 
     Args:
-        record: a rank's record (see :func:`read_final_records`), or None.
+        record: the rank's record: the one its abort handler wrote as it died (see
+            :func:`read_final_records`), or, where it left none, the placeholder that
+            :func:`~mgtutor.doctor.diagnose` makes from its peers' records (``from_peers``).
 
     Returns:
-        True for a rank whose default group is gloo and whose abort handler wrote the record.
+        True when every process group the record gives the rank is gloo's.
     """
-    group = ((record or {}).get("groups") or {}).get("0") or {}
-    return bool((record or {}).get("aborted")) and group.get("backend") == "gloo"
+    record = record or {}
+    groups = (record.get("groups") or {}).values()
+    if not groups or not (record.get("aborted") or record.get("from_peers")):
+        return False
+    return all(group.get("backend") == "gloo" for group in groups)
 
 
 def read_final_records(paths: Mapping[int, str]) -> dict[int, dict[str, Any]]:

@@ -162,7 +162,16 @@ def test_missing_records_and_no_recorder_are_said() -> None:
         "pg_status": {"0": {"last_enqueued_collective": 1}},
     }
     alone = doctor.diagnose({1: trace}, world_size=2)
-    assert alone.kind == "missing_record" and alone.summary == "no record from rank 0"
+    # What is left is named: the group's backend and the peer's last collective, with shapes.
+    assert alone.kind == "missing_record" and alone.summary == (
+        "no record from rank 0 (gloo): rank 1's last collective was all_reduce #1 [4] Float"
+    )
+    placeholder = alone.records[0]
+    assert placeholder["trace"] is None and placeholder["from_peers"]
+    assert doctor.aborted_on_gloo(placeholder)
+    nccl = {**trace, "entries": [{**trace["entries"][0], "profiling_name": "nccl:all_reduce"}]}
+    assert not doctor.aborted_on_gloo(doctor.diagnose({1: nccl}, world_size=2).records[0])
+    assert not doctor.aborted_on_gloo(None) and not doctor.aborted_on_gloo({"groups": {}})
     none = doctor.diagnose({0: {"trace": None, "error": "torch 2.4 has no recorder"}})
     assert none.kind == "no_recorder" and "torch 2.4 has no recorder" in none.summary
     agree = doctor.diagnose({0: trace, 1: trace})
@@ -366,6 +375,22 @@ def test_a_silent_rank_a_subgroup_and_a_cross_group_order_are_named(
     assert expected in str(info.value)
 
 
+def _sizes_without_abort_handler() -> None:
+    """The "sizes" desync with SIGABRT back to its default, as on a machine with a GPU."""
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None)
+    libc.signal.restype = ctypes.c_void_p
+    libc.signal.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    libc.signal(signal.SIGABRT, None)  # SIG_DFL: the responder's record-on-abort is gone
+    _natural("sizes")
+
+
+@pytest.mark.skipif(
+    not doctor.responder._no_gpu(),
+    reason="with a GPU visible the ranks install no abort handler (NCCL's watchdog could stall it)",
+)
 def test_a_rank_gloo_aborts_leaves_the_record_of_the_collective_that_killed_it() -> None:
     with pytest.raises(mgtutor.WorkerError) as info:
         mgtutor.launch(_natural, "sizes", world_size=2, timeout=30)
@@ -377,6 +402,21 @@ def test_a_rank_gloo_aborts_leaves_the_record_of_the_collective_that_killed_it()
     ), text
     assert "On gloo, SIGABRT is gloo giving up" in text and "NCCL's watchdog" not in text, text
     assert info.value.diagnosis.records[0]["aborted"]
+
+
+def test_a_rank_gloo_aborts_with_no_record_is_named_from_its_peers_record() -> None:
+    # Where the dying rank writes nothing (a GPU machine; torch 2.11 there), the other rank's
+    # record still names the backend and the collective, and NCCL is not blamed for gloo.
+    with pytest.raises(mgtutor.WorkerError) as info:
+        mgtutor.launch(_sizes_without_abort_handler, world_size=2, timeout=30)
+    text = str(info.value)
+    assert info.value.signal_name == "SIGABRT" and info.value.rank == 0, text
+    assert info.value.diagnosis.kind == "missing_record", text
+    assert info.value.diagnosis.summary.startswith(
+        "no record from rank 0 (gloo): rank 1's last collective was all_reduce #2 [8] Float ("
+    ), text
+    assert "On gloo, SIGABRT is gloo giving up" in text and "NCCL's watchdog" not in text, text
+    assert info.value.diagnosis.records[0]["from_peers"]
 
 
 # --- records in torch's own format ------------------------------------------------------------
