@@ -118,9 +118,8 @@ class CollectiveCounter(TorchDispatchMode):
 
     ``get_comm_counts()`` returns ``{"namespace.operator": calls}``, which :func:`by_kind`
     reads as it reads ``CommDebugMode().get_comm_counts()``: DTensor's collectives
-    (``_c10d_functional.*``) and ``torch.distributed``'s (``c10d.*``) alike. As
-    ``CommDebugMode`` does, an operator on a DTensor is handed back (``NotImplemented``) so
-    that DTensor turns it into the collectives it needs, which are then counted.
+    (``_c10d_functional.*``, run on the local tensors) and ``torch.distributed``'s
+    (``c10d.*``) alike.
 
     For torch 2.11 to 2.13, whose ``CommDebugMode`` raises IndexError in
     ``_fw_set_module_hook`` when a module runs twice in one forward, as ``tensor.Block``'s
@@ -133,10 +132,6 @@ class CollectiveCounter(TorchDispatchMode):
         self.counts: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
         name = getattr(func, "_opname", "")
         if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES and any(
             word in name for word in _COLLECTIVE_WORDS
