@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(UNIT_TEST_TIMEOUT_S))
     # Not run twice: a launcher test whose behaviour does not depend on how ranks start runs on
     # the default start method only; a test that asserts what a notebook collected in this
-    # session asserts too runs only where that notebook does not (the torch-floor stage).
+    # session asserts too runs only where that notebook does not (.ci/run's stage 3).
     notebooks = {item.path.name for item in items if item.path.suffix == ".ipynb"}
     kept, dropped = [], []
     for item in items:
