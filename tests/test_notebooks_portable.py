@@ -9,6 +9,7 @@ the cells whose output nbval compares, a figure of this machine.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 from pathlib import Path
@@ -18,12 +19,13 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
 CHECKED = "nbval-check-output"
 
-# Anywhere in a code cell: text that changes with every torch release, or that macOS lacks.
+# Anywhere in a code cell: what macOS lacks.
 NEVER = {
-    r"\bgetsource\(": "reads torch's source text (cite the file in prose; check what it does)",
-    r"\.__doc__\b": "reads a docstring (cite it in prose; check what the code does)",
     r"\bsched_getaffinity\b": "is Linux-only (mgtutor.hardware.usable_cores() falls back)",
 }
+# Source text and docstrings change with every torch release: a cell may show mgtutor's own or
+# the notebook's (a learner reads the code that runs), never torch's.
+TEXT_READERS = "getsource", "__doc__"
 # In a cell whose output nbval compares: a figure of this machine, which another one prints
 # differently (its cores, its GPUs).
 NOT_IN_CHECKED = {
@@ -44,13 +46,81 @@ def _code_cells(path: Path) -> list[tuple[int, str, bool]]:
     ]
 
 
+def _root(node: ast.AST) -> str | None:
+    """The first name of an expression: `mgtutor` for `mgtutor.parallel.f(x).g`."""
+    while not isinstance(node, ast.Name):
+        if isinstance(node, (ast.Attribute, ast.Subscript)):
+            node = node.value
+        elif isinstance(node, ast.Call):
+            node = node.func
+        else:
+            return None
+    return node.id
+
+
+def _parse(source: str) -> ast.Module:
+    # IPython's magics and shell escapes are not Python.
+    lines = ["" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines()]
+    return ast.parse("\n".join(lines))
+
+
+def _own_names(cells: list[tuple[int, str, bool]]) -> set[str]:
+    """mgtutor, what the notebook imports from it, and what the notebook defines."""
+    own = {"mgtutor"}
+    for _, source, _ in cells:
+        for node in ast.walk(_parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mgtutor"):
+                own.update(alias.asname or alias.name for alias in node.names)
+            elif isinstance(node, ast.Import):
+                own.update(
+                    alias.asname or alias.name
+                    for alias in node.names
+                    if alias.name.startswith("mgtutor")
+                )
+    return own
+
+
+def _reads_foreign_text(tree: ast.Module, own: set[str]) -> list[str]:
+    """getsource(...) or .__doc__ of anything but mgtutor's or the notebook's own code."""
+    loops = {  # for name in (a, b): name stands for a and b
+        node.target.id: node.iter
+        for node in ast.walk(tree)
+        if isinstance(node, ast.For) and isinstance(node.target, ast.Name)
+    }
+
+    def is_own(node: ast.AST) -> bool:
+        name = _root(node)
+        if name in loops and isinstance(loops[name], (ast.Tuple, ast.List)):
+            return all(is_own(element) for element in loops[name].elts)
+        return name in own
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args:
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else _root(node.func)
+            if called == "getsource" and not is_own(node.args[0]):
+                found.append("getsource")
+        elif isinstance(node, ast.Attribute) and node.attr == "__doc__" and not is_own(node.value):
+            found.append("__doc__")
+    return found
+
+
 def _findings(path: Path) -> list[str]:
     found = []
-    for index, source, checked in _code_cells(path):
+    cells = _code_cells(path)
+    own = _own_names(cells)
+    for index, source, checked in cells:
+        kind = "checked cell" if checked else "cell"
+        for reader in _reads_foreign_text(_parse(source), own):
+            found.append(
+                f"{path.name} {kind} {index}: {reader} of torch's code "
+                "(its text changes with each release: cite it in prose, check what it does)"
+            )
         rules = {**NEVER, **NOT_IN_CHECKED} if checked else NEVER
         for pattern, why in rules.items():
             if re.search(pattern, source):
-                kind = "checked cell" if checked else "cell"
                 found.append(f"{path.name} {kind} {index}: {pattern!r} {why}")
     return found
 
@@ -65,11 +135,29 @@ def test_the_rules_catch_what_they_name(tmp_path: Path) -> None:
         {
             "cell_type": "code",
             "metadata": {},
-            "source": ["import inspect, os\n", "s = inspect.getsource(f)\n"],
+            "source": ["import inspect, os\n", "s = inspect.getsource(nn.Linear)\n"],
         },
         {"cell_type": "code", "metadata": {}, "source": ["os.sched_getaffinity(0)"]},
         {"cell_type": "code", "metadata": {"tags": [CHECKED]}, "source": ["print(GPUS)"]},
         {"cell_type": "code", "metadata": {}, "source": ["print(GPUS)"]},  # not compared: fine
+        {"cell_type": "code", "metadata": {}, "source": ["def f():\n", "    pass\n"]},
+        # The notebook's own code and mgtutor's may be shown; torch's docstring may not.
+        {
+            "cell_type": "code",
+            "metadata": {},
+            "source": [
+                "from mgtutor.parallel import syncbn\n",
+                "for g in (f, syncbn.forward):\n",
+                "    print(inspect.getsource(g), mgtutor.launch.__doc__)\n",
+                "%time x = 1\n",
+            ],
+        },
+        {
+            "cell_type": "code",
+            "metadata": {},
+            "source": ["for g in (f, torch.nn.Linear):\n", "    print(inspect.getsource(g))"],
+        },
+        {"cell_type": "code", "metadata": {}, "source": ["torch.nn.Linear.__doc__"]},
     ]
     notebook = tmp_path / "scratch.ipynb"
     notebook.write_text(json.dumps({"cells": cells}))
@@ -78,4 +166,6 @@ def test_the_rules_catch_what_they_name(tmp_path: Path) -> None:
         "scratch.ipynb cell 0",
         "scratch.ipynb cell 1",
         "scratch.ipynb checked cell 2",
+        "scratch.ipynb cell 6",
+        "scratch.ipynb cell 7",
     ]
