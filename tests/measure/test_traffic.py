@@ -181,5 +181,9 @@ def test_flight_recorder_sees_the_same_collectives_and_gloos_reduce_scatter_all_
             # gloo records an all-gather's input (one shard of 2), the others' whole buffer.
             shards = [2 if c.op == "_allgather_base_" else 1 for c in calls]
             assert [b * n for (_, b), n in zip(entries, shards)] == [c.nbytes for c in calls]
-    if "pp" not in ranks[0]["missing"]:  # gloo's recorder keeps no send or recv
-        assert all(not r["pp", "gloo"] for r in ranks)
+    if "pp" not in ranks[0]["missing"]:
+        # gloo's recorder keeps no send or recv: only the pipeline's collectives (none up to
+        # torch 2.14; 2.15's schedules add two all-reduces at the first step, setting up p2p).
+        for rank in ranks:
+            collectives = [c for step in rank["pp"] for c in step if c.name not in ("send", "recv")]
+            assert len(rank["pp", "gloo"]) == len(collectives)
