@@ -149,7 +149,8 @@ class SavedActivations:
     a parameter), tensors saved outside the module's forward (the loss function's, if the loss
     is computed outside), saved tensors handled by an inner ``saved_tensors_hooks`` (activation
     checkpointing keeps its own, and what it recomputes in backward), and memory an operator
-    uses only while it runs (library workspaces). The batch counts when a layer saves it.
+    uses only while it runs (library workspaces). The batch counts when a layer saves it, and so
+    do autocast's low-precision copies of the weights, which autograd keeps for backward.
 
     Args:
         module: the model whose forward to watch (a ``DistributedDataParallel`` wrapper works).

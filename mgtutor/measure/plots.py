@@ -224,18 +224,17 @@ def plot_step_times(run: Run, *, scale_warmup: bool = False) -> Figure:
     steady = [t for times in series.values() for t in times[warmup:]]
     top = max(steady if not scale_warmup and steady else [t for ts in series.values() for t in ts])
     top *= 1.15
+    off_scale: dict[int, float] = {}
     for rank, times in series.items():
         (line,) = ax.plot(range(len(times)), times, marker=".", label=f"rank {rank}")
         for step, t in enumerate(times[:warmup]):
-            if t > top:  # off the scale: a hollow marker on the top edge, with its time
+            if t > top:  # off the scale: a hollow marker on the top edge
                 ax.plot(step, top, marker="^", mfc="none", color=line.get_color(), clip_on=False)
-                ax.annotate(
-                    f"{t:.0f} ms",
-                    (step, top),
-                    xytext=(4, -10),
-                    textcoords="offset points",
-                    fontsize=7,
-                )
+                off_scale[step] = max(t, off_scale.get(step, 0.0))
+    for step, t in off_scale.items():  # the slowest rank's time, once per step
+        ax.annotate(
+            f"{t:.0f} ms", (step, top), xytext=(6, -10), textcoords="offset points", fontsize=7
+        )
     if warmup:
         ax.axvspan(-0.5, warmup - 0.5, color="#dddddd", zorder=0, label="warm-up")
     ax.set_xlabel("step")
