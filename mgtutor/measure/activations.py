@@ -177,9 +177,8 @@ class SavedActivations:
         self._saved = [ref for ref in self._saved if ref() is not None]
         sizes = {}
         for ref in self._saved:
-            alias = ref()
-            if alias is not None:
-                storage = alias.untyped_storage()
+            storage = _storage(ref())
+            if storage is not None:
                 sizes[storage.data_ptr()] = storage.nbytes()
         return sum(sizes.values())
 
@@ -196,7 +195,7 @@ class SavedActivations:
     def _enter(self, module: Any, args: Any) -> None:
         if not self._contexts:  # the outermost forward: what the module holds is not saved
             state = list(module.parameters()) + list(module.buffers())
-            self._excluded = {_local_data_ptr(t) for t in state}
+            self._excluded = {s.data_ptr() for s in map(_storage, state) if s is not None}
         context = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         context.__enter__()
         self._contexts.append(context)
@@ -213,11 +212,10 @@ class SavedActivations:
         # it. Autograd keeps the alias until backward is done with it: a weak reference to the
         # alias (not to the storage, which the caller may hold too) says while it does.
         alias = tensor.detach()
-        if (
-            not isinstance(root, torch.nn.Parameter)
-            and tensor.layout == torch.strided
-            and tensor.untyped_storage().data_ptr() not in self._excluded
-        ):
+        if isinstance(root, torch.nn.Parameter) or tensor.layout != torch.strided:
+            return alias
+        storage = _storage(tensor)
+        if storage is not None and storage.data_ptr() not in self._excluded:
             self._saved.append(weakref.ref(alias))
         return alias
 
@@ -226,9 +224,17 @@ def _unpack(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _local_data_ptr(tensor: torch.Tensor) -> int:
-    local = getattr(tensor, "_local_tensor", None)  # a DTensor's shard
-    return (local if local is not None else tensor).untyped_storage().data_ptr()
+def _storage(tensor: torch.Tensor | None) -> torch.UntypedStorage | None:
+    """The storage of a tensor's data on this rank (a DTensor's local shard's), or None."""
+    if tensor is None:
+        return None
+    local = getattr(tensor, "_local_tensor", None)
+    try:
+        storage = (local if local is not None else tensor).untyped_storage()
+        storage.data_ptr()
+    except RuntimeError:  # a wrapper subclass with no storage of its own
+        return None
+    return storage
 
 
 def _data_ptr(tensor: Any) -> int | None:

@@ -133,3 +133,27 @@ def test_a_pools_later_call_does_not_report_an_earlier_calls_activations() -> No
         later = pool.run(_nothing).ranks[0].breakdown  # still tracked, no forward this time
     assert first.activations == 2 * 4 * 4
     assert later is not None and later.activations == 0
+
+
+def _tensor_parallel_activations() -> tuple[int, bool]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mgtutor.setup()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    parallelize_module(
+        model, init_device_mesh("cpu", (2,)), {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    )
+    watch = SavedActivations(model)
+    model(torch.randn(4, 8)).sum().backward()  # DTensors saved: no storage of their own
+    return watch.peak, all(p.grad is not None for p in model.parameters())
+
+
+def test_saved_activations_count_a_dtensors_local_shard_and_training_goes_on() -> None:
+    results = mgtutor.launch(_tensor_parallel_activations, world_size=2).results
+    # Per rank: the batch, 4 x 8 float32, and this rank's half of the ReLU output, 4 x 8.
+    assert results == [(4 * 8 * F32 + 4 * 8 * F32, True)] * 2
