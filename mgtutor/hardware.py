@@ -2,16 +2,33 @@
 
 Notebook 00 starts here: :func:`describe_hardware` says which GPUs CUDA sees and which backend
 :func:`mgtutor.setup` will pick for each world size, so a learner knows which path of each
-notebook will run (the real GPU one, or the CPU one with gloo).
+notebook will run (the real GPU one, or the CPU one with gloo), and what a machine with fewer GPUs
+than ranks does. :func:`choose_backend` is the rule for one launcher's workers,
+:func:`choose_backend_for_job` the rule when several launchers (torchrun's nodes) may share a
+machine, and :func:`agree_on_backend` lets a job's ranks apply it together.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import platform
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["GpuInfo", "HardwareInfo", "describe_hardware"]
+__all__ = ["GpuInfo", "HardwareInfo", "RankPlace", "describe_hardware"]
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank of a job runs: its machine, its local rank, what that machine offers."""
+
+    host: str
+    local_rank: int
+    gpus: int
+    nccl_available: bool
 
 
 @dataclass(frozen=True)
@@ -75,7 +92,44 @@ class HardwareInfo:
                 )
         else:
             lines.append("GPUs         none visible to CUDA: every rank will be a CPU process")
+        for i, line in enumerate(self.what_runs_where()[1:]):
+            lines.append(f"{'ranks' if i == 0 else '':13s}{line}")
         return lines
+
+    def what_runs_where(self) -> list[str]:
+        """Say, in plain words, where ranks run on this machine and what a GPU cell will do.
+
+        The first line sums it up (notebook 00 prints it); the others, which the description
+        prints, say which world sizes get NCCL, which fall back to gloo on the CPU, and how ranks
+        can share the GPUs instead. Without a GPU there is only the first line.
+        """
+        gpus = len(self.gpus)
+        if gpus == 0:
+            return [
+                "SKIPPED GPU paths: CUDA sees no GPU on this machine. Cells that need GPUs say"
+                " SKIPPED and why; the CPU path (gloo, one process per rank) runs everywhere else."
+            ]
+        noun = "1 GPU" if gpus == 1 else f"{gpus} GPUs"
+        share = 'setup("gloo", device="cuda")'
+        if not self.nccl_available:
+            return [
+                f"CUDA sees {noun}, but this torch has no NCCL: every job runs on the CPU with "
+                f"gloo unless its ranks use the GPUs through gloo ({share}).",
+                f"gloo, every rank on the CPU; {share} puts the ranks on the GPUs (round-robin)",
+            ]
+        few = "a job of 1 rank" if gpus == 1 else f"a job of up to {gpus} ranks"
+        return [
+            f"CUDA sees {noun}: {few} runs on the GPU with NCCL, a GPU per rank; a job of more "
+            f"ranks runs on the CPU with gloo unless its ranks share the GPU ({share}); cells "
+            "that need more GPUs than this say SKIPPED and why.",
+            f"world_size 1 to {gpus}: NCCL, a GPU of its own for each rank"
+            if gpus > 1
+            else "world_size 1: NCCL on GPU 0",
+            f"world_size {gpus + 1} or more: gloo, every rank on the CPU (NCCL refuses two ranks "
+            "on one GPU)",
+            f"or share: {share} in each rank puts it on a GPU (round-robin); ranks on one GPU",
+            "take turns on it and split its memory: not the timings or memory of a GPU per rank",
+        ]
 
     def __repr__(self) -> str:
         return "\n".join(self._lines())
@@ -89,6 +143,58 @@ def choose_backend(gpus: int, nccl_available: bool, local_ranks: int) -> str:
     description) both answer with it.
     """
     return "nccl" if nccl_available and gpus >= local_ranks else "gloo"
+
+
+def choose_backend_for_job(ranks: Sequence[RankPlace]) -> str:
+    """The rule for a job whose ranks may share a machine across launchers: NCCL or gloo for all.
+
+    Two torchrun agents on one machine (two "nodes" on loopback) each count only their own
+    workers in ``LOCAL_WORLD_SIZE``, and their workers' ``LOCAL_RANK``s repeat: both agents'
+    local rank 0 would take GPU 0, which NCCL refuses. So NCCL only when, on every machine, the
+    ranks there have different local ranks and each has a GPU of its own (local rank < GPUs).
+
+    Args:
+        ranks: where each rank of the job runs, as each rank reported it.
+
+    Returns:
+        "nccl" or "gloo", the same answer for every rank.
+
+    Example:
+        >>> two_nodes_on_one_host = [RankPlace("vm", 0, 1, True), RankPlace("vm", 0, 1, True)]
+        >>> choose_backend_for_job(two_nodes_on_one_host)
+        'gloo'
+    """
+    by_host: dict[str, list[RankPlace]] = {}
+    for place in ranks:
+        by_host.setdefault(place.host, []).append(place)
+    for places in by_host.values():
+        local_ranks = [p.local_rank for p in places]
+        if len(set(local_ranks)) < len(local_ranks):
+            return "gloo"
+        if not all(p.nccl_available and 0 <= p.local_rank < p.gpus for p in places):
+            return "gloo"
+    return "nccl"
+
+
+def agree_on_backend(store: Any, rank: int, world_size: int, place: RankPlace) -> str:
+    """Tell every rank where this one runs, through ``store``; all return the same backend.
+
+    Args:
+        store: a store every rank of the job reaches (the rendezvous store).
+        rank, world_size: this rank's place in the job.
+        place: this rank's machine, local rank, GPU count and NCCL support.
+
+    Returns:
+        :func:`mgtutor.hardware.choose_backend_for_job` of every rank's place.
+    """
+    import torch.distributed as dist
+
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a restart sees fresh keys
+    board = dist.PrefixStore(f"mgtutor/places/{attempt}", store)
+    board.set(str(rank), json.dumps(dataclasses.asdict(place)))
+    keys = [str(r) for r in range(world_size)]
+    board.wait(keys)
+    return choose_backend_for_job([RankPlace(**json.loads(board.get(key))) for key in keys])
 
 
 def usable_cores() -> int:

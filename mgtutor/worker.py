@@ -15,10 +15,13 @@ notebook's calls is in :mod:`mgtutor.launcher._rank`.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
+
+from mgtutor.hardware import RankPlace, agree_on_backend
 
 if TYPE_CHECKING:
     import torch
@@ -187,7 +190,9 @@ def setup(
 
     Args:
         backend: "nccl" or "gloo". By default the one :func:`mgtutor.launch` was asked for, else
-            :func:`backend_for` the number of workers on this machine.
+            :func:`backend_for` the number of workers on this machine; in a job of several
+            nodes, NCCL only if every rank has a GPU of its own on its machine, two nodes on one
+            machine included (the ranks agree through the rendezvous store).
         device: "cuda" to put gloo ranks on GPUs too (ranks then share GPUs round-robin);
             by default gloo ranks use the CPU and NCCL ranks use ``cuda:LOCAL_RANK``.
         timeout_s: how long a collective may wait for the other ranks before failing
@@ -213,7 +218,15 @@ def setup(
     if dist.is_initialized():
         return _state["device"] or torch.device("cpu")
     contract = get_contract()
-    chosen = backend or os.environ.get("MGTUTOR_BACKEND") or backend_for(contract.local_world_size)
+    chosen = backend or os.environ.get("MGTUTOR_BACKEND")
+    store = None
+    if not chosen and contract.world_size > contract.local_world_size:
+        # Several launchers (torchrun's nodes): LOCAL_WORLD_SIZE counts only this one's workers,
+        # and two can share a machine. The ranks meet at the store first and pick NCCL only if
+        # every one of them has a GPU of its own on its machine.
+        store = _rendezvous(contract, timeout_s)
+        chosen = agree_on_backend(store, contract.rank, contract.world_size, _place(contract))
+    chosen = chosen or backend_for(contract.local_world_size)
     if chosen not in BACKENDS:
         raise ValueError(f"unknown backend {chosen!r}; choose one of {BACKENDS}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -254,15 +267,33 @@ def setup(
         # Binds the group to this rank's GPU up front (torch >= 2.3): NCCL's communicator is
         # created eagerly for that device instead of guessed at the first collective.
         options["device_id"] = rank_device
-    dist.init_process_group(
-        chosen,
-        init_method="env://",
-        rank=contract.rank,
-        world_size=contract.world_size,
-        **options,
-    )
+    if store is not None:
+        options["store"] = store
+    else:
+        options["init_method"] = "env://"
+    dist.init_process_group(chosen, rank=contract.rank, world_size=contract.world_size, **options)
     _state.update(device=rank_device, backend=chosen)
     return rank_device
+
+
+def _place(contract: WorkerContract) -> RankPlace:
+    import torch
+    import torch.distributed as dist
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return RankPlace(socket.gethostname(), contract.local_rank, gpus, dist.is_nccl_available())
+
+
+def _rendezvous(contract: WorkerContract, timeout_s: float | None) -> Any:
+    """The rendezvous store that ``init_process_group(init_method="env://")`` would make."""
+    import torch.distributed as dist
+    from torch.distributed.constants import default_pg_timeout
+
+    timeout = default_pg_timeout if timeout_s is None else timedelta(seconds=timeout_s)
+    rendezvous = dist.rendezvous("env://", contract.rank, contract.world_size, timeout=timeout)
+    store, _, _ = next(rendezvous)
+    store.set_timeout(timeout)
+    return store
 
 
 def _accepts_device_id(init: Any) -> bool:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -343,39 +342,47 @@ def test_bench_on_nccl_measures_in_the_ranks_only() -> None:
 HAS_START_METHOD = "start_method" in inspect.signature(mgtutor.launch).parameters
 
 
-def _forkservers() -> list[psutil.Process]:
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "forkserver" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.Error:
-            continue
-    return found
-
-
 @needs_gpus(1)
 @pytest.mark.skipif(
     not HAS_START_METHOD, reason="mgtutor.launch has no start_method argument (no forkserver)"
 )
 def test_forkserver_never_initializes_cuda() -> None:
-    # Ranks forked from a server that had initialized CUDA cannot use their GPU. Two launches:
-    # the second reuses the server the first one started.
-    for _ in range(2):
-        run = mgtutor.launch(
-            _rank_on_its_gpu,
-            world_size=GPUS,
-            backend="nccl",
-            start_method="forkserver",
-            timeout=120,
-        )
-        _assert_every_rank_on_its_gpu(run, GPUS)
-    servers = _forkservers()
-    assert servers, "no forkserver process found among this process's children"
-    for server in servers:
-        # The CUDA driver library is loaded by cuInit, never by importing torch.
-        maps = Path(f"/proc/{server.pid}/maps").read_text()
-        assert "libcuda.so" not in maps, f"forkserver {server.pid} has initialized CUDA"
+    # Ranks forked from a server that had initialized CUDA cannot use their GPU. What counts is
+    # the server's CUDA state, not which libraries it maps: with torch 2.11.0+cu130 `import
+    # torch` alone maps libcuda.so. A forked rank starts with a copy of the server's memory, so
+    # before it touches CUDA it holds the server's torch.cuda._initialized, and torch's fork
+    # handler (registered when CUDA is initialized) has marked it "in bad fork" if the server
+    # had. The caller uses CUDA first, as a notebook that ran a GPU cell has; two launches, the
+    # second reusing the server the first one started.
+    got = _run_python(
+        f"""
+        import json, os, torch, torch.distributed as dist, mgtutor
+
+        def work():
+            server = {{"initialized": torch.cuda._initialized,
+                      "bad_fork": torch.cuda._is_in_bad_fork()}}
+            device = mgtutor.setup()
+            total = torch.tensor([float(dist.get_rank() + 1)], device=device)
+            dist.all_reduce(total)
+            return {{"server": server, "device": str(device), "tensor_device": str(total.device),
+                    "total": total.item(), "parent": os.getppid()}}
+
+        torch.ones(1, device="cuda").add_(1)
+        caller = torch.cuda.is_initialized()
+        runs = [mgtutor.launch(work, world_size={GPUS}, backend="nccl",
+                               start_method="forkserver", timeout=120).results for _ in range(2)]
+        print(json.dumps({{"caller": caller, "pid": os.getpid(), "runs": runs}}))
+        """,
+        timeout=600,
+    )
+    assert got["caller"] is True, "the calling process used CUDA before the launches"
+    parents = {rank["parent"] for run in got["runs"] for rank in run}
+    assert len(parents) == 1 and got["pid"] not in parents, "not forked from one server"
+    for run in got["runs"]:
+        for rank, result in enumerate(run):
+            assert result["server"] == {"initialized": False, "bad_fork": False}, result
+            assert result["device"] == result["tensor_device"] == f"cuda:{rank}"
+            assert result["total"] == GPUS * (GPUS + 1) / 2
 
 
 # --- the notebooks on the GPU path --------------------------------------------------------

@@ -20,7 +20,11 @@ SCRIPT = Path(__file__).resolve().parents[1] / "notebooks" / "scripts" / "train_
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 # One thread per worker in every run, as torchrun gives the single-node run's two workers
 # (OMP_NUM_THREADS=1 whenever it starts more than one per node): same sums, same order.
-ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+# No MGTUTOR_BACKEND either: each worker's setup() chooses, as in the notebook.
+ONE_THREAD = {
+    **{name: value for name, value in os.environ.items() if name != "MGTUTOR_BACKEND"},
+    "OMP_NUM_THREADS": "1",
+}
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -128,6 +132,8 @@ def single_node(tmp_path_factory) -> list[dict]:
                 str(SCRIPT),
                 "--epochs",
                 "2",
+                "--backend",  # named: the runs compared bit for bit with it all do gloo's sums
+                "gloo",
                 "--result",
                 str(work / "run"),
             ]
@@ -141,6 +147,7 @@ def single_node(tmp_path_factory) -> list[dict]:
 
 def test_standalone_torchrun_gives_each_worker_the_contract(single_node) -> None:
     assert [contract(r) for r in single_node] == [(0, 0, 2, 0, 2, 1), (1, 1, 2, 0, 2, 1)]
+    assert [(r["backend"], r["device"]) for r in single_node] == [("gloo", "cpu")] * 2
     assert single_node[0]["weights"] == single_node[1]["weights"]
     assert single_node[0]["losses"] == single_node[1]["losses"]
     assert len(single_node[0]["losses"]) == 2 * 1024 // (2 * 32), "one mean loss per step"
@@ -171,6 +178,11 @@ def test_two_nodes_on_loopback_match_the_single_node_run(tmp_path, single_node) 
     # Static rendezvous: --node-rank is the node's GROUP_RANK; WORLD_SIZE counts processes.
     assert [contract(r) for r in two] == [(0, 0, 2, 0, 1, 2), (1, 0, 2, 1, 1, 2)]
     assert all(r["master_addr"] == "127.0.0.1" for r in two)
+    # No --backend: on one machine both nodes' workers have LOCAL_RANK 0, so setup() picks
+    # gloo, even with GPUs (NCCL would refuse two ranks on cuda:0). Each worker says so.
+    assert [(r["backend"], r["device"]) for r in two] == [("gloo", "cpu")] * 2
+    said = [line for node in nodes for line in node.stdout.splitlines() if line.startswith("RANK=")]
+    assert len(said) == 2 and all(line.endswith("| gloo on cpu") for line in said), said
     # The topology does not change the arithmetic: equal, not merely close.
     assert two[0]["weights"] == two[1]["weights"] == single_node[0]["weights"]
     assert two[0]["losses"] == single_node[0]["losses"]
@@ -194,6 +206,8 @@ def test_restart_resumes_from_the_snapshot_on_the_same_loss_curve(tmp_path, sing
                 str(tmp_path / "snap.pt"),
                 "--crash-once",
                 str(tmp_path / "crashed"),
+                "--backend",
+                "gloo",
                 "--result",
                 str(tmp_path / "run"),
             ]

@@ -243,3 +243,118 @@ def test_destroying_a_group_with_a_callback_pending_does_not_deadlock(destroy_in
     # without mgtutor's guard). mgtutor's ranks keep the group alive instead (worker.py).
     run = mgtutor.launch(_destroy_with_a_python_callback_pending, destroy_in_fn, timeout=30)
     assert run.results == [("destroy_process_group", not destroy_in_fn)] * 2
+
+
+# --- which backend when GPUs are fewer than ranks, or two "nodes" share a machine ----------
+
+
+def _mock_gpus(count: int):
+    """Patch torch so that CUDA seems to see ``count`` GPUs (and NCCL is there)."""
+    from contextlib import ExitStack
+    from types import SimpleNamespace
+    from unittest import mock
+
+    props = SimpleNamespace(name="Mock GPU", total_memory=80 * 2**30, major=9, minor=0)
+    stack = ExitStack()
+    stack.enter_context(mock.patch.object(torch.cuda, "is_available", return_value=count > 0))
+    stack.enter_context(mock.patch.object(torch.cuda, "device_count", return_value=count))
+    stack.enter_context(mock.patch.object(torch.cuda, "get_device_properties", return_value=props))
+    stack.enter_context(mock.patch.object(dist, "is_nccl_available", return_value=True))
+    return stack
+
+
+def test_a_one_gpu_machine_says_what_runs_where() -> None:
+    with _mock_gpus(1):
+        hw = mgtutor.describe_hardware()
+    assert [hw.backend_for(n) for n in (1, 2, 4)] == ["nccl", "gloo", "gloo"]
+    summary, *rows = hw.what_runs_where()
+    assert summary.startswith("CUDA sees 1 GPU: a job of 1 rank runs on the GPU with NCCL")
+    assert "more ranks runs on the CPU with gloo" in summary
+    assert 'setup("gloo", device="cuda")' in summary and "SKIPPED" in summary
+    text = repr(hw)
+    assert "GPU 0        Mock GPU, 80.0 GiB" in text
+    assert "world_size 2 or more: gloo, every rank on the CPU" in text
+    assert 'setup("gloo", device="cuda")' in text and "take turns on it" in text
+    assert all(row in text for row in rows)
+    with _mock_gpus(2):
+        two = mgtutor.describe_hardware()
+    assert two.what_runs_where()[0].startswith("CUDA sees 2 GPUs: a job of up to 2 ranks")
+    assert "world_size 3 or more: gloo" in repr(two)
+    with _mock_gpus(0):
+        none = mgtutor.describe_hardware()
+    assert none.what_runs_where()[0].startswith("SKIPPED GPU paths: CUDA sees no GPU")
+    assert "ranks" not in repr(none)  # the laptop's description is as it was
+
+
+def test_choose_backend_for_job_wants_a_gpu_of_its_own_for_every_rank() -> None:
+    from mgtutor.hardware import RankPlace, choose_backend_for_job
+
+    def job(*places: tuple[str, int, int]) -> str:
+        return choose_backend_for_job([RankPlace(h, lr, g, True) for h, lr, g in places])
+
+    assert job(("a", 0, 1), ("b", 0, 1)) == "nccl"  # two machines, a GPU each
+    assert job(("a", 0, 1), ("a", 0, 1)) == "gloo"  # two "nodes" on one machine, one GPU
+    assert job(("a", 0, 4), ("a", 1, 4), ("a", 0, 4), ("a", 1, 4)) == "gloo"  # ranks repeat
+    assert job(("a", 0, 2), ("a", 1, 2), ("b", 0, 1), ("b", 1, 1)) == "gloo"  # b has too few
+    no_nccl = [RankPlace("a", 0, 1, True), RankPlace("b", 0, 1, False)]
+    assert choose_backend_for_job(no_nccl) == "gloo"
+
+
+def test_ranks_agree_on_the_backend_through_the_store() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mgtutor.hardware import RankPlace, agree_on_backend
+
+    def agree(hosts: tuple[str, str]) -> list[str]:
+        server = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+        client = dist.TCPStore("127.0.0.1", server.port, 2, is_master=False)
+        with ThreadPoolExecutor(2) as pool:
+            answers = [
+                pool.submit(agree_on_backend, store, rank, 2, RankPlace(hosts[rank], 0, 1, True))
+                for rank, store in enumerate((server, client))
+            ]
+            return [a.result(timeout=30) for a in answers]
+
+    assert agree(("vm", "vm")) == ["gloo", "gloo"]
+    assert agree(("node0", "node1")) == ["nccl", "nccl"]
+
+
+def test_two_nodes_on_one_machine_with_one_gpu_pick_gloo(clean_env) -> None:
+    # What failed on a one-GPU machine: two torchrun "nodes" on loopback, one worker each. Each
+    # worker's LOCAL_WORLD_SIZE is 1, so each alone would pick NCCL on cuda:0.
+    import subprocess
+    import sys
+
+    code = (
+        "import json, torch, torch.distributed as dist, mgtutor\n"
+        "from unittest import mock\n"
+        "with mock.patch.object(torch.cuda, 'is_available', return_value=True), "
+        "mock.patch.object(torch.cuda, 'device_count', return_value=1), "
+        "mock.patch.object(dist, 'is_nccl_available', return_value=True):\n"
+        "    alone = mgtutor.backend_for(1)\n"
+        "    device = mgtutor.setup()\n"
+        "print(json.dumps([alone, dist.get_backend(), str(device)]))\n"
+        "mgtutor.teardown()\n"
+    )
+    env = {name: value for name, value in os.environ.items() if name != "MGTUTOR_BACKEND"}
+    env.update(WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    env["MASTER_PORT"] = str(free_port())
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            env={**env, "RANK": str(rank), "GROUP_RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        outputs = [node.communicate(timeout=60) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert all(node.returncode == 0 for node in nodes), [err[-2000:] for _, err in outputs]
+    import json
+
+    assert [json.loads(out) for out, _ in outputs] == [["nccl", "gloo", "cpu"]] * 2

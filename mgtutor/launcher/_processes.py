@@ -29,8 +29,8 @@ START_METHODS = ("forkserver", "spawn")
 DEFAULT_START_METHOD = "forkserver"
 # What the forkserver imports once, so that ranks forked from it need not. torch._dynamo is
 # here because DDP's constructor imports it: about 2.4 s per rank on a quiet 2-core machine,
-# paid by every launch that builds a DDP model. Importing it starts no thread and asks no CUDA
-# question (checked on CPU); tests/test_gpu.py checks on GPUs that the server never loads libcuda.
+# paid by every launch that builds a DDP model. It starts no thread and asks no CUDA question
+# (checked on CPU); tests/test_gpu.py checks on GPUs that the server never initializes CUDA.
 # mgtutor.launcher._processes comes first: importing it is what ties the server's life to the
 # notebook's (see _die_with_the_notebook_if_server), and the sooner the better.
 _FORKSERVER_PRELOAD = (

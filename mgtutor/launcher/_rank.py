@@ -280,11 +280,12 @@ def _unpacked(call: Call) -> Any:
 
 def _measured_call(fn: Any, args: tuple, kwargs: dict, call: Call, spec: RankSpec) -> Done | Failed:
     """Run fn once, measuring time and memory; Done with its pickled result, or Failed."""
-    from mgtutor.measure import memory, timing
+    from mgtutor.measure import breakdown, memory, timing
 
     rss_start = memory.current_rss()
     peak_was_reset = memory.reset_peak_rss()
     memory.reset_cuda_peaks()
+    breakdown.reset_tracked_peak()  # a pool's earlier calls' activations are not this call's
     timing.collect_records(clear=True)  # a pool's earlier calls are not this call's
     started = time.perf_counter()
     if spec.started is not None:

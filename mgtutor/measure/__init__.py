@@ -3,7 +3,7 @@
 * :mod:`.timing`: :func:`~.timing.phase`, :func:`~.timing.step`, :class:`~.timing.StepTimer`.
 * :mod:`.memory`: what the per-rank memory figures count.
 * :mod:`.breakdown`: each rank's memory by category (parameters, gradients, optimizer state,
-  DDP buckets), measured from the tensors inside the rank.
+  DDP buckets, activations, the rest of a GPU's peak), measured inside the rank.
 * :mod:`.memplan`: the same categories computed ahead, per strategy (DDP, ZeRO-1, FSDP, TP).
 * :mod:`.planner`: a transformer's memory per GPU and communication per step, from published
   formulas, for any layout of data (ZeRO 0-3), tensor and pipeline parallelism.
@@ -11,7 +11,8 @@
   (Korthikanti et al.), with the element and dropout-mask bytes as parameters.
 * :mod:`.traffic`: every collective a step sends, counted inside the ranks, and what torch
   runs for ZeRO 0-3 set beside the planner's (the ZeRO paper's) pattern.
-* :mod:`.activations`: the bytes a forward and backward create and keep alive.
+* :mod:`.activations`: the bytes a forward and backward create and keep alive, or that
+  autograd saves.
 * :mod:`.stats`: repeated measurements read with their spread.
 * :mod:`.progress`: per-rank progress bars.
 * :mod:`.run`: :class:`~.run.Run`, what a launch or a pool call returns.

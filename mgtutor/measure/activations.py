@@ -18,6 +18,10 @@ parameters, the batch). What it cannot see: memory that an operator allocates an
 inside itself (a kernel's workspace), and the allocator's cache. Its own cost is one Python call
 per operator, so it suits small demonstrations, not production profiling.
 
+:class:`SavedActivations` measures less and costs less: only the tensors autograd saves for
+backward inside one module's forward (a Python call per saved tensor), which is what
+:func:`mgtutor.track` uses for a run's memory breakdown on any device.
+
 torch is imported when this module is, so ``import mgtutor`` loads it lazily
 (``mgtutor.measure.activations``).
 """
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import time
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -34,7 +39,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveTensors"]
+__all__ = ["LiveTensors", "SavedActivations"]
 
 
 _SETTLE_READS = 50  # at most 50 ms more, in the unlikely case the count keeps falling
@@ -128,6 +133,108 @@ class LiveTensors(TorchDispatchMode):
             self._storages.setdefault(ref.cdata, ref)
         self.peak = max(self.peak, self._alive())
         return out
+
+
+class SavedActivations:
+    """The peak bytes autograd saved for backward inside a module's forward: its activations.
+
+    Hooks on ``module`` (a forward pre-hook and an always-called forward hook) wrap each forward
+    in ``torch.autograd.graph.saved_tensors_hooks``; the pack hook notes a weak reference to each
+    saved tensor's storage and hands autograd a detached alias, so nothing is kept alive longer
+    than autograd keeps it. At the end of each forward the bytes of the noted storages still
+    alive are summed (each storage once, at its size then) and the largest sum is :attr:`peak`.
+    Storages saved by an earlier forward whose backward has not run yet count too.
+
+    Not counted: the module's parameters and buffers (a linear layer saves its weight, a view of
+    a parameter), tensors saved outside the module's forward (the loss function's, if the loss
+    is computed outside), saved tensors handled by an inner ``saved_tensors_hooks`` (activation
+    checkpointing keeps its own, and what it recomputes in backward), and memory an operator
+    uses only while it runs (library workspaces). The batch counts when a layer saves it, and so
+    do autocast's low-precision copies of the weights, which autograd keeps for backward.
+
+    Args:
+        module: the model whose forward to watch (a ``DistributedDataParallel`` wrapper works).
+
+    Example:
+        >>> watch = SavedActivations(model)
+        >>> model(x).sum().backward()
+        >>> watch.peak  # bytes saved for backward at the end of forward
+        >>> watch.remove()
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.peak = 0
+        self._saved: list[weakref.ref] = []
+        self._excluded: set[int] = set()
+        self._contexts: list[Any] = []
+        self._handles = [
+            module.register_forward_pre_hook(self._enter),
+            module.register_forward_hook(self._exit, always_call=True),
+        ]
+
+    def live_bytes(self) -> int:
+        """Bytes of the storages autograd still holds for backward now, each counted once."""
+        self._saved = [ref for ref in self._saved if ref() is not None]
+        sizes = {}
+        for ref in self._saved:
+            storage = _storage(ref())
+            if storage is not None:
+                sizes[storage.data_ptr()] = storage.nbytes()
+        return sum(sizes.values())
+
+    def reset_peak(self) -> None:
+        """Start the peak again from zero (mgtutor does it when each call's fn starts)."""
+        self.peak = 0
+
+    def remove(self) -> None:
+        """Take the hooks off the module."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _enter(self, module: Any, args: Any) -> None:
+        if not self._contexts:  # the outermost forward: what the module holds is not saved
+            state = list(module.parameters()) + list(module.buffers())
+            self._excluded = {s.data_ptr() for s in map(_storage, state) if s is not None}
+        context = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        context.__enter__()
+        self._contexts.append(context)
+
+    def _exit(self, module: Any, args: Any, output: Any) -> None:
+        if self._contexts:
+            self._contexts.pop().__exit__(None, None, None)
+        if not self._contexts:
+            self.peak = max(self.peak, self.live_bytes())
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        root = tensor._base if tensor._base is not None else tensor
+        # A detached alias: the same storage, without a reference back to the graph that holds
+        # it. Autograd keeps the alias until backward is done with it: a weak reference to the
+        # alias (not to the storage, which the caller may hold too) says while it does.
+        alias = tensor.detach()
+        if isinstance(root, torch.nn.Parameter) or tensor.layout != torch.strided:
+            return alias
+        storage = _storage(tensor)
+        if storage is not None and storage.data_ptr() not in self._excluded:
+            self._saved.append(weakref.ref(alias))
+        return alias
+
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _storage(tensor: torch.Tensor | None) -> torch.UntypedStorage | None:
+    """The storage of a tensor's data on this rank (a DTensor's local shard's), or None."""
+    if tensor is None:
+        return None
+    local = getattr(tensor, "_local_tensor", None)
+    try:
+        storage = (local if local is not None else tensor).untyped_storage()
+        storage.data_ptr()
+    except RuntimeError:  # a wrapper subclass with no storage of its own
+        return None
+    return storage
 
 
 def _data_ptr(tensor: Any) -> int | None:

@@ -6,11 +6,14 @@ view into a DDP bucket (``gradient_as_bucket_view=True``) or a parameter that is
 flat shard is not counted twice; a sharded parameter (a DTensor, as FSDP2's ``fully_shard``
 makes) counts by the shard this rank holds, padding included.
 
-Activations and peaks come from the allocator, not from the tensors: on a GPU rank
-``torch.cuda.max_memory_allocated`` minus the tensors counted gives what else was alive at the
-peak (activations and temporaries); on a CPU rank only the process's peak resident memory is
-known, which also holds the interpreter and torch's libraries (several hundred MiB), so the
-activations are left unknown (None) there.
+Activations are what autograd saved for backward inside the tracked model's forward, measured
+on any device by :class:`mgtutor.measure.activations.SavedActivations`, which :func:`track`
+attaches to the model. The peak comes from the allocator: on a GPU rank
+``torch.cuda.max_memory_allocated``, and what the categories leave of it is its own category,
+``rest_of_peak``: library workspaces (cuBLAS and cuDNN keep theirs allocated), temporaries alive
+at the peak, the allocator's rounding. On a CPU rank only the process's peak resident memory is
+known, which also holds the interpreter and torch's libraries (several hundred MiB), so the rest
+is left unknown (None) there.
 
 :func:`track` and :func:`tracked_breakdown` let a worker's fn name its model and optimizer so
 that the breakdown can be taken when fn returns. :mod:`mgtutor.measure.memplan` computes the
@@ -36,12 +39,20 @@ __all__ = [
     "MemoryBreakdown",
     "breakdown",
     "clear_tracked",
+    "reset_tracked_peak",
     "track",
     "tracked_breakdown",
 ]
 
 #: The categories a breakdown sums, in the order the bars stack them.
-CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication", "activations")
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "communication",
+    "activations",
+    "rest_of_peak",
+)
 
 
 @dataclass(frozen=True)
@@ -55,10 +66,14 @@ class MemoryBreakdown:
             local optimizer's, which holds only this rank's partition).
         communication: communication buffers that stay allocated between steps: DDP's gradient
             buckets, less the part shared with gradients (``gradient_as_bucket_view=True``).
-        activations: on a GPU rank, peak allocated bytes minus the categories above: activations
-            and every other temporary alive at the peak (a foreach optimizer's parameter-sized
-            temporaries, for one); None where it cannot be measured (CPU ranks) or was not
-            estimated. :class:`mgtutor.measure.activations.LiveTensors` measures activations alone.
+        activations: the most bytes autograd held for backward at the end of the tracked
+            model's forward (:class:`~mgtutor.measure.activations.SavedActivations`, on any
+            device); None where nothing watched the forward (a :func:`breakdown` called without
+            :func:`track`) or it was not estimated.
+        rest_of_peak: on a GPU rank, the allocator's peak less every category above: library
+            workspaces, temporaries alive at the peak (a foreach optimizer's parameter-sized
+            ones, for one), the allocator's rounding, and the activations when nothing measured
+            them; so the categories add up to the peak. None on CPU ranks and in estimates.
         transient: estimates only: buffers that exist only inside a step and are not in the
             other categories (FSDP's unsharded parameters and gradients of the largest unit);
             None otherwise.
@@ -74,6 +89,7 @@ class MemoryBreakdown:
     optimizer_state: int
     communication: int
     activations: int | None = None
+    rest_of_peak: int | None = None
     transient: int | None = None
     peak: int | None = None
     peak_source: str = ""
@@ -82,14 +98,11 @@ class MemoryBreakdown:
 
     @property
     def total(self) -> int:
-        """Bytes held between steps, plus activations where measured; ``transient`` is extra."""
-        return (
-            self.parameters
-            + self.gradients
-            + self.optimizer_state
-            + self.communication
-            + (self.activations or 0)
-        )
+        """The categories' sum: the peak on a GPU rank (see ``notes`` where they exceed it).
+
+        ``transient`` is extra.
+        """
+        return sum(getattr(self, name) or 0 for name in CATEGORIES)
 
     def as_dict(self) -> dict[str, int | None]:
         """The byte categories by name, ``total`` included."""
@@ -153,7 +166,11 @@ def _ddp_bucket_bytes(ddp: Any) -> tuple[int, bool]:
 
 
 def breakdown(
-    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, ddp: Any = None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    ddp: Any = None,
+    activations: int | None = None,
 ) -> MemoryBreakdown:
     """Count this rank's memory by category from the tensors themselves (call it inside a rank).
 
@@ -174,16 +191,20 @@ def breakdown(
       taken off (they are counted as gradients).
       Not counted: the reducer's small per-parameter bookkeeping (``local_used_map`` with
       ``find_unused_parameters=True``), gloo's and NCCL's own staging buffers.
-    * activations and peak: on a CUDA device, ``torch.cuda.max_memory_allocated`` since the last
-      reset (mgtutor resets it when fn starts), and the activations as that peak minus the
-      categories above. On CPU the activations stay None and the peak is the process's peak
-      resident memory, which cannot be split: it includes the interpreter and torch's libraries.
+    * activations: as given (:func:`track` passes what autograd saved in the model's forward).
+    * peak and rest_of_peak: on a CUDA device, ``torch.cuda.max_memory_allocated`` since the
+      last reset (mgtutor resets it when fn starts), and what the categories above leave of it
+      (workspaces, temporaries, rounding; activations too when not given). On CPU the rest stays
+      None and the peak is the process's peak resident memory, which cannot be split: it
+      includes the interpreter and torch's libraries.
 
     Args:
         model: the module whose parameters to count; a ``DistributedDataParallel`` wrapper is
             accepted and then also used as ``ddp``.
         optimizer: the optimizer (or ``ZeroRedundancyOptimizer``), if any.
         ddp: the ``DistributedDataParallel`` wrapper, when ``model`` is the inner module.
+        activations: the bytes autograd saved for backward, if measured (see
+            :class:`~mgtutor.measure.activations.SavedActivations`).
 
     Returns:
         This rank's :class:`MemoryBreakdown`.
@@ -227,17 +248,23 @@ def breakdown(
             + (", gradients are views into them" if as_view and shared else "")
         )
     device = _device_of(params)
-    activations = peak = None
+    rest = None
     if device.startswith("cuda") and torch.cuda.is_initialized():
         peak = int(torch.cuda.max_memory_allocated(device))
-        counted = param_bytes + grad_bytes + state_bytes + comm_bytes
-        activations = max(0, peak - counted)
+        counted = param_bytes + grad_bytes + state_bytes + comm_bytes + (activations or 0)
+        rest = max(0, peak - counted)
         source = "torch.cuda.max_memory_allocated"
+        if counted > peak:
+            notes.append(
+                f"the categories exceed the peak by {format_bytes(counted - peak)}: they were "
+                "not all alive at once (gradients freed by zero_grad while activations peaked)"
+            )
     else:
         peak = peak_rss()
         source = "peak resident memory of the process (RSS)"
+        skipped = "activations" if activations is None else "rest of the peak"
         notes.append(
-            "activations: SKIPPED on CPU: the process's peak RSS cannot be split by tensor "
+            f"{skipped}: SKIPPED on CPU: the process's peak RSS cannot be split by tensor "
             "(it includes the interpreter and torch's libraries)"
         )
     return MemoryBreakdown(
@@ -246,6 +273,7 @@ def breakdown(
         optimizer_state=state_bytes,
         communication=comm_bytes,
         activations=activations,
+        rest_of_peak=rest,
         peak=peak,
         peak_source=source,
         device=device,
@@ -264,22 +292,37 @@ def track(model: nn.Module, optimizer: Any = None, *, ddp: Any = None) -> None:
     """Name the model and optimizer whose memory this rank's record should break down.
 
     Call it inside fn once they exist; when fn returns, the rank calls
-    :func:`tracked_breakdown` and the run's memory plot stacks the categories. In a
-    :class:`mgtutor.Pool` the tracking stays for the later calls too. A later ``track`` replaces
-    the earlier one; :func:`clear_tracked` forgets it.
+    :func:`tracked_breakdown` and the run's memory plot stacks the categories. To measure the
+    activations, ``track`` puts hooks on ``model`` that note what autograd saves in its forward
+    (:class:`~mgtutor.measure.activations.SavedActivations`). In a :class:`mgtutor.Pool` the
+    tracking stays for the later calls too. A later ``track`` replaces the earlier one;
+    :func:`clear_tracked` forgets it and takes the hooks off.
 
     Args:
         model: the module (or its DistributedDataParallel wrapper).
         optimizer: its optimizer, if any.
         ddp: the DistributedDataParallel wrapper, when ``model`` is the inner module.
     """
-    _tracked.clear()
-    _tracked.update(model=model, optimizer=optimizer, ddp=ddp)
+    from mgtutor.measure.activations import SavedActivations
+
+    clear_tracked()
+    watch = SavedActivations(model)
+    _tracked.update(model=model, optimizer=optimizer, ddp=ddp, activations=watch)
 
 
 def clear_tracked() -> None:
-    """Forget what :func:`track` named."""
+    """Forget what :func:`track` named, and take its hooks off the model."""
+    watch = _tracked.get("activations")
+    if watch is not None:
+        watch.remove()
     _tracked.clear()
+
+
+def reset_tracked_peak() -> None:
+    """Start the tracked activations' peak again (mgtutor does it when each call's fn starts)."""
+    watch = _tracked.get("activations")
+    if watch is not None:
+        watch.reset_peak()
 
 
 def tracked_breakdown() -> MemoryBreakdown | None:
@@ -287,4 +330,9 @@ def tracked_breakdown() -> MemoryBreakdown | None:
     if not _tracked:
         return None
     tracked = dict(_tracked)
-    return breakdown(tracked["model"], tracked["optimizer"], ddp=tracked["ddp"])
+    return breakdown(
+        tracked["model"],
+        tracked["optimizer"],
+        ddp=tracked["ddp"],
+        activations=tracked["activations"].peak,
+    )

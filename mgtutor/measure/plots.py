@@ -49,7 +49,8 @@ def plot_memory(run: Run) -> Figure:
     pool). CPU ranks: the worker process's resident memory when fn started beside its peak.
     See :mod:`mgtutor.measure.memory` for exactly what each figure counts. When fn called
     :func:`mgtutor.track` on every rank, a second panel stacks each rank's bytes by category
-    (parameters, gradients, optimizer state, DDP's buckets, and activations on a GPU).
+    (parameters, gradients, optimizer state, DDP's buckets, the activations autograd saved, and
+    on a GPU the rest of the allocator's peak: library workspaces and temporaries).
 
     Args:
         run: what :func:`mgtutor.launch` or :meth:`mgtutor.Pool.run` returned.
@@ -111,8 +112,9 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
     Args:
         run: what :func:`mgtutor.launch` returned.
         steps: only these steps (for example ``slice(0, 5)``; ``slice(None)`` for all). By
-            default the last ``TIMELINE_STEPS`` (6), the steady state; the title says which
-            steps of how many are shown.
+            default the last ``TIMELINE_STEPS`` (6) and none of the warm-up steps
+            (:attr:`mgtutor.Run.warmup_steps`): the steady state. The title says which steps of
+            how many are shown.
 
     Returns:
         The figure.
@@ -123,8 +125,9 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
     records = {r.rank: [p for p in r.timings if p.name != STEP] for r in run.ranks}
     total = 1 + max((p.step for ps in records.values() for p in ps), default=0)
     chosen = steps is not None
+    warmup = run.warmup_steps
     if steps is None:
-        steps = slice(max(0, total - TIMELINE_STEPS), total)
+        steps = slice(max(warmup, total - TIMELINE_STEPS), total)
     wanted = range(*steps.indices(total))
     records = {k: [p for p in ps if p.step in wanted] for k, ps in records.items()}
     if not any(records.values()):
@@ -172,45 +175,75 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
         shown = f"step{'s' if len(wanted) > 1 else ''} {first}" + (
             f"-{last}" if len(wanted) > 1 else ""
         )
-        shown += f" of {total}" + ("" if chosen else "; steps= shows others")
+        shown += f" of {total}"
+        if not chosen and warmup and first == warmup:
+            shown += f" after {warmup} warm-up step{'s' if warmup > 1 else ''}"
+        shown += "" if chosen else "; steps= shows others"
     ax.set_title(f"What each rank was doing: {shown}", fontsize=10)
     handles, labels = ax.get_legend_handles_labels()
     found = dict(zip(labels, handles))
     unique = {n: found[n] for n in legend_order if n in found}
-    ax.legend(
+    # Below the whole axes, x-axis label included: the constrained layout makes room for it.
+    fig.legend(
         unique.values(),
         unique.keys(),
         fontsize=8,
         ncols=len(unique),
-        loc="upper center",
-        bbox_to_anchor=(0.5, -0.35 if run.world_size < 3 else -0.2),
+        loc="outside lower center",
         frameon=False,
     )
     return fig
 
 
-def plot_step_times(run: Run) -> Figure:
+def plot_step_times(run: Run, *, scale_warmup: bool = False) -> Figure:
     """Step time per rank, step by step (from ``mgtutor.step()`` records).
+
+    The warm-up steps (:attr:`mgtutor.Run.warmup_steps`: a first GPU step can take 300 times
+    a later one) are shaded and drawn, but the time axis is scaled to the steps after them; a
+    warm-up point above the axis is drawn at its top edge, its time written beside it.
+
+    Args:
+        run: what :func:`mgtutor.launch` returned.
+        scale_warmup: scale the axis to every step, warm-up included.
+
+    Returns:
+        The figure.
 
     Raises:
         ValueError: when no rank recorded steps.
     """
     fig = _new_figure(7, 3.4)
     ax = fig.add_subplot()
-    plotted = False
-    for r in run.ranks:
-        times = run.step_times(r.rank)
-        if times:
-            ax.plot(range(len(times)), [t * 1e3 for t in times], marker=".", label=f"rank {r.rank}")
-            plotted = True
-    if not plotted:
+    series = {r.rank: [t * 1e3 for t in run.step_times(r.rank)] for r in run.ranks}
+    series = {rank: times for rank, times in series.items() if times}
+    if not series:
         raise ValueError(
             "no steps were recorded: inside fn wrap each step in `with mgtutor.step():`"
         )
+    warmup = run.warmup_steps
+    steady = [t for times in series.values() for t in times[warmup:]]
+    top = max(steady if not scale_warmup and steady else [t for ts in series.values() for t in ts])
+    top *= 1.15
+    off_scale: dict[int, float] = {}
+    for rank, times in series.items():
+        (line,) = ax.plot(range(len(times)), times, marker=".", label=f"rank {rank}")
+        for step, t in enumerate(times[:warmup]):
+            if t > top:  # off the scale: a hollow marker on the top edge
+                ax.plot(step, top, marker="^", mfc="none", color=line.get_color(), clip_on=False)
+                off_scale[step] = max(t, off_scale.get(step, 0.0))
+    for step, t in off_scale.items():  # the slowest rank's time, once per step
+        ax.annotate(
+            f"{t:.0f} ms", (step, top), xytext=(6, -10), textcoords="offset points", fontsize=7
+        )
+    if warmup:
+        ax.axvspan(-0.5, warmup - 0.5, color="#dddddd", zorder=0, label="warm-up")
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms)")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Step time per rank", fontsize=10)
+    ax.set_ylim(0, top)
+    title = "Step time per rank"
+    if warmup and not scale_warmup:
+        title += f" (axis scaled to the steps after {warmup} warm-up step{'s' * (warmup > 1)})"
+    ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     return fig
 
@@ -265,7 +298,9 @@ _COLOURS = {
     "optimizer_state": "#8da0cb",
     "communication": "#e78ac3",
     "activations": "#ffd92f",
+    "rest_of_peak": "#b3b3b3",
 }
+_LABELS = {"rest_of_peak": "rest of the peak (workspaces, temporaries)"}
 
 
 def plot_breakdown(
@@ -278,7 +313,8 @@ def plot_breakdown(
 ) -> Figure:
     """One stacked bar per rank: parameters, gradients, optimizer state, communication, ...
 
-    Activations are stacked only where they were measured (GPU ranks); an estimate's
+    Activations are stacked where they were measured (by :func:`mgtutor.track`), the rest of
+    the allocator's peak on GPU ranks; on a GPU the stack is the peak. An estimate's
     ``transient`` bytes (FSDP's unit, gathered, with its gradients) are drawn hatched on top.
 
     Args:
@@ -315,7 +351,8 @@ def plot_breakdown(
         values = [(getattr(b, name) or 0) / scale for _, b in bars]
         if not any(values):
             continue
-        ax.bar(xs, values, 0.6, bottom=bottom, label=name.replace("_", " "), color=_COLOURS[name])
+        label = _LABELS.get(name, name.replace("_", " "))
+        ax.bar(xs, values, 0.6, bottom=bottom, label=label, color=_COLOURS[name])
         bottom = [b + v for b, v in zip(bottom, values)]
     transient = [(b.transient or 0) / scale for _, b in bars]
     if any(transient):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import html
 import reprlib
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +13,39 @@ from mgtutor.measure.breakdown import MemoryBreakdown
 from mgtutor.measure.memory import MemoryStats, format_bytes
 from mgtutor.measure.timing import STEP, PhaseRecord
 
-__all__ = ["RankResult", "Run"]
+__all__ = ["WARMUP_FACTOR", "RankResult", "Run", "count_warmup"]
+
+#: A leading step is warm-up when it took more than this many times the later steps' median.
+WARMUP_FACTOR = 3.0
+
+
+def count_warmup(times: Sequence[float], factor: float = WARMUP_FACTOR) -> int:
+    """How many leading steps were warm-up: each over ``factor`` x the median of steps 1 on.
+
+    The first steps pay once for what later steps reuse (on a GPU: CUDA's context, cuDNN's
+    choice of algorithms, the allocator's first blocks; under DDP: the rebuilt buckets). At most
+    half the steps count, so a run that slows down is not mistaken for one that warms up.
+
+    Args:
+        times: step durations in order.
+        factor: how much slower than the median a step must be to count.
+
+    Returns:
+        The number of leading steps that were warm-up (0 for fewer than two steps).
+
+    Example:
+        >>> count_warmup([0.6, 0.002, 0.002, 0.002])
+        1
+    """
+    if len(times) < 2:
+        return 0
+    typical = statistics.median(times[1:])
+    count = 0
+    for duration in times[: len(times) // 2]:
+        if duration <= factor * typical:
+            break
+        count += 1
+    return count
 
 
 def _short(value: Any, width: int = 48) -> str:
@@ -84,6 +118,27 @@ class Run:
         """Durations in seconds of the steps ``rank`` recorded with ``mgtutor.step()``."""
         return [p.duration for p in self.ranks[rank].timings if p.name == STEP]
 
+    @property
+    def steps(self) -> int:
+        """The most steps any rank recorded with ``mgtutor.step()``."""
+        return max((sum(p.name == STEP for p in r.timings) for r in self.ranks), default=0)
+
+    @property
+    def warmup_steps(self) -> int:
+        """Leading steps treated as warm-up (:func:`count_warmup`), the most on any rank.
+
+        :func:`mgtutor.plot_step_times` marks them and scales its axis to the steps after them,
+        and :func:`mgtutor.plot_timeline` starts its default window after them.
+        """
+        per_rank = [[p.duration for p in r.timings if p.name == STEP] for r in self.ranks]
+        return max((count_warmup(times) for times in per_rank), default=0)
+
+    def _steps_note(self) -> str:
+        """``"64 steps, 1 treated as warm-up"``; empty when no rank recorded steps."""
+        if not self.steps:
+            return ""
+        return f"{self.steps} steps, {self.warmup_steps} treated as warm-up"
+
     def phase_totals(self, rank: int) -> dict[str, float]:
         """Seconds ``rank`` spent in each named phase, summed over steps."""
         totals: dict[str, float] = {}
@@ -139,7 +194,8 @@ class Run:
     def __repr__(self) -> str:
         rows = [self._HEADER, *self._rows()]
         widths = [max(len(row[i]) for row in rows) for i in range(len(self._HEADER))]
-        lines = [f"Run(world_size={self.world_size}, wall_time={self.wall_time_s:.2f} s)"]
+        steps = f", {self._steps_note()}" if self.steps else ""
+        lines = [f"Run(world_size={self.world_size}, wall_time={self.wall_time_s:.2f} s{steps})"]
         for row in rows:
             lines.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         return "\n".join(lines)
@@ -153,6 +209,8 @@ class Run:
         caption = (
             f"mgtutor Run: world_size={self.world_size}, launch wall time {self.wall_time_s:.2f} s"
         )
+        if self.steps:
+            caption += f"; {self._steps_note()}"
         return (
             f"<table><caption style='text-align:left'>{html.escape(caption)}</caption>"
             f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

@@ -58,6 +58,7 @@ def main(local_rank, world_size):
         print(f"rank 0 environment: {seen}", flush=True)
 
     # NCCL needs a GPU of its own for each worker on this machine (LOCAL_WORLD_SIZE, torchrun).
+    # One torchrun per machine: two on one machine would give two workers the same LOCAL_RANK.
     local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     use_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= local_workers
     if use_gpus:
@@ -75,6 +76,9 @@ def main(local_rank, world_size):
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(minutes=10)
         )
+
+    if rank == 0:
+        print(f"backend {dist.get_backend()}, rank 0 on {device}", flush=True)
 
     torch.manual_seed(0)  # DDP copies rank 0's weights to every rank anyway
     model = DDP(small_cnn().to(device), device_ids=[local_rank] if use_gpus else None)

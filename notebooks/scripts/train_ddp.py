@@ -2,7 +2,9 @@
 
 `train` is the training function of the earlier notebooks: mgtutor.setup() reads whatever
 environment the launcher provides (torchrun's RANK/LOCAL_RANK/WORLD_SIZE, or SLURM's
-SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS). Run it with, for example:
+SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS) and picks NCCL only when every rank has a GPU of its own
+on its machine (two torchrun "nodes" on one machine included), else gloo on the CPU, unless
+--backend names one; each worker prints which. Run it with, for example:
 
     torchrun --standalone --nproc-per-node=2 notebooks/scripts/train_ddp.py --epochs 3
 
@@ -28,6 +30,7 @@ import json
 import os
 import random
 import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -92,11 +95,16 @@ def train(
     crash_once: str | None = None,
     fail_on_rank: int | None = None,
     record_epochs: str | None = None,
+    backend: str | None = None,
 ) -> dict:
-    device = mgtutor.setup()
+    device = mgtutor.setup(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     contract = {name: int(os.environ[name]) for name in CONTRACT if name in os.environ}
-    print(" ".join(f"{name}={value}" for name, value in contract.items()), flush=True)
+    seen = " ".join(f"{name}={value}" for name, value in contract.items())
+    # One write: torchrun runs workers unbuffered (python -u), where print's text and its newline
+    # are two writes, and another worker's line could land between them.
+    sys.stdout.write(f"{seen} | {dist.get_backend()} on {device}\n")
+    sys.stdout.flush()
     if fail_on_rank == rank:
         raise ValueError(f"rank {rank} cannot read its shard (raised on purpose by --fail-on-rank)")
     data = default_dataset("train", n=1024)
@@ -193,6 +201,8 @@ def train(
     return {
         **{name.lower(): value for name, value in contract.items()},
         "master_addr": os.environ.get("MASTER_ADDR"),
+        "backend": dist.get_backend(),
+        "device": str(device),
         "weights": weights.tolist(),
         "losses": losses,
     }
@@ -212,6 +222,11 @@ def main() -> None:
     parser.add_argument(
         "--fail-on-rank", type=int, metavar="R", help="raise an exception on rank R at the start"
     )
+    parser.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        help="by default NCCL where every rank has a GPU of its own on its machine, else gloo",
+    )
     parser.add_argument("--result", help="write each rank's result to RESULT.rank<N>.json")
     parser.add_argument(
         "--record-epochs",
@@ -227,6 +242,7 @@ def main() -> None:
         args.crash_once,
         args.fail_on_rank,
         args.record_epochs,
+        args.backend,
     )
     if args.result:
         Path(f"{args.result}.rank{result['rank']}.json").write_text(json.dumps(result))

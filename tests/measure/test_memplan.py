@@ -139,7 +139,9 @@ def test_ddp_buckets_counted_once(measured):
 def test_tracked_breakdown_travels_back_and_stays_until_cleared(measured):
     b = measured[1]["zero1"]
     assert isinstance(b, memplan.MemoryBreakdown) and b.device == "cpu"
-    assert b.activations is None and b.peak and "SKIPPED" in " ".join(b.notes)
+    # Tracked after training: no forward ran under the hooks, so autograd saved nothing seen.
+    assert b.activations == 0 and b.rest_of_peak is None
+    assert b.peak and "rest of the peak: SKIPPED" in " ".join(b.notes)
     again = measured[1]["tracked_again"]
     # The same tensors; only the process's peak RSS, read again later, may have grown.
     assert dataclasses.replace(again, peak=b.peak) == b and again.peak >= b.peak
@@ -246,6 +248,8 @@ def test_track_puts_the_breakdown_in_the_run_and_its_memory_plot() -> None:
     # 15 float32 values: the momentum buffers, and DDP's one bucket of gradients.
     assert [r.breakdown.optimizer_state for r in run.ranks] == [15 * 4, 15 * 4]
     assert [r.breakdown.communication for r in run.ranks] == [15 * 4, 15 * 4]
+    # What autograd saved in the tracked forward: the linear layer's input, 2 x 4 float32.
+    assert [r.breakdown.activations for r in run.ranks] == [2 * 4 * 4, 2 * 4 * 4]
     assert len(mgtutor.plot_memory(run).axes) == 2
     untracked = mgtutor.launch(lambda: None, world_size=1)
     assert untracked.ranks[0].breakdown is None and len(mgtutor.plot_memory(untracked).axes) == 1

@@ -75,7 +75,7 @@ def test_watch_allreduce_times_ddp_buckets_and_keeps_ddp_gradients() -> None:
         assert all(p.end >= p.start for p in in_step)
     assert not [p for p in plain.timings[0] if p.name == "allreduce"]
     fig = mgtutor.plot_timeline(watched)
-    assert "allreduce" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "allreduce" in [t.get_text() for t in fig.legends[0].get_texts()]
 
 
 def test_watch_gradients_shows_an_all_reduce_launched_before_the_last_gradient() -> None:
@@ -114,7 +114,7 @@ def test_watch_gradients_shows_an_all_reduce_launched_before_the_last_gradient()
         False,
         False,
     ]
-    legend = mgtutor.plot_timeline(run).axes[0].get_legend().get_texts()
+    legend = mgtutor.plot_timeline(run).legends[0].get_texts()
     assert "gradient" in [t.get_text() for t in legend]
 
 
