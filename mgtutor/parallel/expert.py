@@ -133,8 +133,9 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Ten
     """Switch Transformer's auxiliary loss, ``N * sum_i f_i * P_i`` (arXiv:2101.03961).
 
     ``f_i`` is the fraction of the ``tokens * k`` assignments routed to expert i (before
-    capacity), ``P_i`` the router's mean probability for it. Uniform routing gives 1.0, its
-    minimum; only ``P`` carries a gradient (``f`` comes from an argmax).
+    capacity), ``P_i`` the router's mean probability for it. Uniform routing gives 1.0, which
+    is not a lower bound: 2 experts, 90 tokens at probabilities (0.51, 0.49) and 10 at (0, 1)
+    give 0.934. Only ``P`` carries a gradient (``f`` comes from an argmax).
     """
     num_experts = probs.shape[-1]
     counts = torch.bincount(experts.reshape(-1), minlength=num_experts)

@@ -45,6 +45,14 @@ def test_the_auxiliary_loss_is_one_when_routing_is_uniform_and_more_when_skewed(
     assert loss.item() == pytest.approx(4 * 0.7)  # f = (1, 0, 0, 0), P_0 = 0.7
 
 
+def test_the_auxiliary_loss_can_be_below_one_so_one_is_not_its_minimum() -> None:
+    # Most tokens barely prefer expert 0, a few are sure of expert 1: f = (0.9, 0.1) and
+    # P = (0.459, 0.541), so 2 * (0.9 * 0.459 + 0.1 * 0.541) = 0.9344.
+    probs = torch.tensor([[0.51, 0.49]] * 90 + [[0.0, 1.0]] * 10, dtype=torch.float64)
+    loss = expert.load_balancing_loss(probs, probs.argmax(1, keepdim=True))
+    assert loss.item() == pytest.approx(0.9344)
+
+
 def test_the_plan_groups_kept_assignments_by_expert_and_counts_rows_per_rank() -> None:
     experts = torch.tensor([[3, 0], [1, 2], [0, 3]])
     keep = torch.tensor([[True, True], [True, False], [True, True]])
