@@ -359,8 +359,11 @@ def test_forkserver_never_initializes_cuda() -> None:
         import json, os, torch, torch.distributed as dist, mgtutor
 
         def work():
-            server = {{"initialized": torch.cuda._initialized,
-                      "bad_fork": torch.cuda._is_in_bad_fork()}}
+            # Private names (torch 2.11-2.15 have both): None where a torch lacks one, and
+            # then the all-reduce on the rank's GPU below is the check that is left.
+            bad_fork = getattr(torch.cuda, "_is_in_bad_fork", lambda: None)
+            server = {{"initialized": getattr(torch.cuda, "_initialized", None),
+                      "bad_fork": bad_fork()}}
             device = mgtutor.setup()
             total = torch.tensor([float(dist.get_rank() + 1)], device=device)
             dist.all_reduce(total)
@@ -380,7 +383,7 @@ def test_forkserver_never_initializes_cuda() -> None:
     assert len(parents) == 1 and got["pid"] not in parents, "not forked from one server"
     for run in got["runs"]:
         for rank, result in enumerate(run):
-            assert result["server"] == {"initialized": False, "bad_fork": False}, result
+            assert set(result["server"].values()) <= {False, None}, result
             assert result["device"] == result["tensor_device"] == f"cuda:{rank}"
             assert result["total"] == GPUS * (GPUS + 1) / 2
 
