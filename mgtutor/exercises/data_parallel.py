@@ -260,13 +260,14 @@ def check_shard_indices(shard_indices: Callable[..., Any], *, timeout: float = 3
     ``num_workers``) of rank ``rank`` (of ``world_size``) reads, for an ``IterableDataset``
     over samples ``0 .. n_samples - 1``: it runs once in every worker of every rank (with
     ``num_workers=0`` the loop itself reads: worker 0 of 1). Over all ranks and workers, every
-    sample must be read exactly once, nothing dropped, and the ranks' counts may differ by one
-    at most (under DDP each rank runs a step per batch).
+    sample must be read, nothing dropped, and every rank must get the same number of batches
+    (under DDP each rank runs a step per batch): every rank reads ceil(n_samples / world_size)
+    samples, padded with the first samples again as DistributedSampler pads.
 
     The checker runs it on 2 ranks: each rank calls it for each of its workers, on sample
-    counts that divide and that do not, fewer samples than readers and no workers; then through
-    a real ``DataLoader`` with 2 forked workers on each rank. The ranks exchange what each
-    worker read.
+    counts that divide and that do not, fewer samples than readers and no workers; and twice
+    through a real ``DataLoader`` (batches of 2, 2 forked workers on each rank), counting the
+    batches each rank's loader yields. The ranks exchange what each worker read.
 
     Args:
         shard_indices: your function.

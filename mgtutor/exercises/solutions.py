@@ -141,10 +141,15 @@ def checked_all_reduce(tensor: torch.Tensor) -> None:
 def shard_indices(
     n_samples: int, rank: int, world_size: int, worker_id: int, num_workers: int
 ) -> list[int]:
-    """The samples one DataLoader worker of one rank reads; each sample read once in all."""
-    # By rank first, every world_size-th sample: the ranks' counts differ by one at most, however
-    # many workers each has. Then the rank's share by worker, every num_workers-th of it.
-    return list(range(rank, n_samples, world_size))[worker_id::num_workers]
+    """The samples one DataLoader worker of one rank reads; every sample read, every rank alike.
+
+    Padded as DistributedSampler pads: the first samples again (the order tiled if need be) until
+    every rank has ceil(n_samples / world_size). Each rank's share is split between its workers
+    alike, so worker w yields the same number of batches on every rank, whatever the batch size.
+    """
+    per_rank = -(-n_samples // world_size)
+    padded = [i % n_samples for i in range(per_rank * world_size)]
+    return padded[rank::world_size][worker_id::num_workers]
 
 
 def serial_fraction(kind: str, n: int, step_time_1: float, step_time_n: float) -> float:

@@ -402,6 +402,11 @@ def shards_worker_major(n_samples, rank, world_size, worker_id, num_workers):
     return list(range(rank * num_workers + worker_id, n_samples, world_size * num_workers))
 
 
+def shards_unpadded(n_samples, rank, world_size, worker_id, num_workers):
+    """Each sample once, the ranks' counts within one: 11 samples give 4 batches against 3."""
+    return list(range(rank, n_samples, world_size))[worker_id::num_workers]
+
+
 def shards_nothing(n_samples, rank, world_size, worker_id, num_workers):
     return range(n_samples)
 
@@ -775,9 +780,12 @@ def test_shard_indices_pass_the_reference_and_catch_each_classic_mistake() -> No
             (shards_nothing,),
             (shards_one_past_the_end,),
             (shards_a_count,),
+            (shards_unpadded,),
         ],
     )
-    reference, rank_only, worker_only, rounded, worker_major, nothing, past, count = results
+    reference, rank_only, worker_only, rounded, worker_major, nothing, past, count, unpadded = (
+        results
+    )
     assert reference.passed, reference
     assert _failed_with(rank_only, "rank 0's worker 1", "whole shard", "by rank only"), rank_only
     assert _failed_with(worker_only, "rank 1's worker 0", "by worker only"), worker_only
@@ -788,6 +796,9 @@ def test_shard_indices_pass_the_reference_and_catch_each_classic_mistake() -> No
     assert _failed_with(nothing, "every worker of every rank", "nothing is split"), nothing
     assert _failed_with(past, "sample 10 was read, which does not exist"), past
     assert _failed_with(count, "returned int", "a list of ints"), count
+    assert _failed_with(
+        unpadded, "11 samples", "different batch counts: rank 0 4, rank 1 3", "pad"
+    ), unpadded
 
 
 def test_serial_fraction_passes_the_reference_and_catches_each_classic_mistake() -> None:

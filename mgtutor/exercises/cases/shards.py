@@ -20,12 +20,13 @@ from mgtutor.exercises.cases._common import (
 
 __all__ = ["SHARD_CASES", "run"]
 
+BATCH_SIZE = 2  # the DataLoader's, in the cases read through one
 SHARD_CASES = (  # label, samples, workers per rank, through a real DataLoader
     ("10 samples, 2 workers per rank", 10, 2, False),
-    ("11 samples, 2 workers per rank: 3 left over", 11, 2, False),
+    ("11 samples through a real DataLoader, 2 workers per rank, batches of 2", 11, 2, True),
     ("7 samples, num_workers=0 (the loop reads: worker 0 of 1)", 7, 1, False),
     ("3 samples, 3 workers per rank: fewer samples than readers", 3, 3, False),
-    ("13 samples through a real DataLoader, 2 workers on each rank", 13, 2, True),
+    ("13 samples through a real DataLoader, 2 workers per rank, batches of 2", 13, 2, True),
 )
 Reads = list[list[list[int]]]  # reads[rank][worker]: the samples that worker returned
 
@@ -43,23 +44,31 @@ class _Stream(IterableDataset):
             yield worker, sample
 
 
-def _through_loader(fn: Callable[..., Any], n: int, rank: int, world: int, workers: int) -> list:
+def _through_loader(
+    fn: Callable[..., Any], n: int, rank: int, world: int, workers: int
+) -> tuple[list, int]:
+    """What each worker read, and how many batches the DataLoader yielded on this rank."""
     # Forked workers, as notebook 06's: this rank's copy of fn needs no pickling to reach them.
     context = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
     loader = DataLoader(
         _Stream(fn, n, rank, world),
-        batch_size=None,
+        batch_size=BATCH_SIZE,
         num_workers=workers,
         multiprocessing_context=context,
     )
     reads: list[list[int]] = [[] for _ in range(workers)]
-    for worker, sample in loader:
-        reads[int(worker)].append(sample)
-    return reads
+    batches = 0
+    for worker_ids, samples in loader:  # a batch comes from one worker: its samples, in order
+        batches += 1
+        for worker, sample in zip(worker_ids.tolist(), samples.tolist()):
+            reads[worker].append(sample)
+    return reads, batches
 
 
-def _direct(fn: Callable[..., Any], n: int, rank: int, world: int, workers: int) -> list:
-    return [fn(n, rank, world, worker, workers) for worker in range(workers)]
+def _direct(
+    fn: Callable[..., Any], n: int, rank: int, world: int, workers: int
+) -> tuple[list, None]:
+    return [fn(n, rank, world, worker, workers) for worker in range(workers)], None
 
 
 def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
@@ -68,10 +77,11 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     findings = []
     for case, n, workers, loader in SHARD_CASES:
         reader = _through_loader if loader else _direct
-        mine = _call(index, case, reader, fn, n, rank, world, workers)
+        mine, batches = _call(index, case, reader, fn, n, rank, world, workers)
         everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, _as_samples(mine))
-        findings.append(_diagnose_shards(case, everyone, n, workers))
+        dist.all_gather_object(everyone, (_as_samples(mine), batches))
+        reads, batch_counts = [r for r, _ in everyone], [b for _, b in everyone]
+        findings.append(_diagnose_shards(case, reads, n, workers, batch_counts))
         if not _everyone_ok(findings[-1]):
             break
     return findings
@@ -88,8 +98,10 @@ def _as_samples(worker_reads: list) -> list[list[int]] | str:
     return out
 
 
-def _diagnose_shards(case: str, everyone: list, n: int, workers: int) -> Finding:
-    """Every rank sees every rank's reads, so every rank reaches the same finding."""
+def _diagnose_shards(
+    case: str, everyone: list, n: int, workers: int, batches: list[int | None]
+) -> Finding:
+    """Every rank sees every rank's reads and batch count, so every rank reaches one finding."""
     world = len(everyone)
     for rank, reads in enumerate(everyone):
         if isinstance(reads, str):
@@ -111,8 +123,9 @@ def _diagnose_shards(case: str, everyone: list, n: int, workers: int) -> Finding
             "read only the indices 0 to n_samples - 1; a shard that starts near the end may be "
             "empty",
         )
+    padding = (-n) % world  # DistributedSampler's: reads beyond it are duplicates
     twice = sorted(s for s, who in readers.items() if len(who) > 1)
-    if twice:
+    if sum(len(who) for who in readers.values()) > n + padding:
         return _duplicates(case, everyone, readers, twice, workers)
     missing = [s for s in range(n) if s not in readers]
     if missing:
@@ -129,8 +142,21 @@ def _diagnose_shards(case: str, everyone: list, n: int, workers: int) -> Finding
                 else "together the readers must cover every index from 0 to n_samples - 1"
             ),
         )
+    if None not in batches and len(set(batches)) > 1:
+        by_rank = ", ".join(f"rank {r} {b}" for r, b in enumerate(batches))
+        return _finding(
+            case,
+            f"every sample was read, but the DataLoader (batch_size={BATCH_SIZE}, "
+            f"num_workers={workers}) gave different batch counts: {by_rank}; under DDP a rank "
+            "with a batch more takes a step more and waits in an all-reduce that the others "
+            "never call",
+            "each worker makes its own batches, so give every rank the same number of samples "
+            "(pad with the first samples again, as DistributedSampler does: "
+            "ceil(n_samples / world_size) per rank) and split each rank's share between its "
+            "workers the same way on every rank",
+        )
     counts = [sum(len(samples) for samples in reads) for reads in everyone]
-    if max(counts) - min(counts) > 1:
+    if len(set(counts)) > 1:
         worker_major = [
             [list(range(r * workers + w, n, world * workers)) for w in range(workers)]
             for r in range(world)
@@ -138,15 +164,17 @@ def _diagnose_shards(case: str, everyone: list, n: int, workers: int) -> Finding
         by_rank = ", ".join(f"rank {r} read {c}" for r, c in enumerate(counts))
         return _finding(
             case,
-            f"every sample was read once, but {by_rank}: under DDP a rank with more samples "
-            f"runs more steps and waits in an all-reduce that the others never call",
+            f"every sample was read, but {by_rank}: under DDP a rank with more samples can "
+            f"run more steps and wait in an all-reduce that the others never call",
             (
                 "that numbers the readers rank * num_workers + worker_id, so the samples left "
-                "over all go to the first ranks' workers: take every world_size-th sample for "
-                "the rank first (from rank on), then split the rank's share between its workers"
+                "over all go to the first ranks' workers: deal the samples to the ranks first "
+                "(every world_size-th from rank on, padded to ceil(n_samples / world_size) with "
+                "the first samples again), then split the rank's share between its workers"
                 if everyone == worker_major
-                else "split between the ranks first (their counts may differ by one at most), "
-                "then split each rank's share between its workers"
+                else "give every rank ceil(n_samples / world_size) samples, padding with the "
+                "first samples again as DistributedSampler does, then split each rank's share "
+                "between its workers"
             ),
         )
     return _finding(case)
