@@ -7,6 +7,8 @@
 * :mod:`.memplan`: the same categories computed ahead, per strategy (DDP, ZeRO-1, FSDP, TP).
 * :mod:`.planner`: a transformer's memory per GPU and communication per step, from published
   formulas, for any layout of data (ZeRO 0-3), tensor and pipeline parallelism.
+* :mod:`.plan_rules`: the planner's rules about what runs: TP and SP collectives per layer,
+  the layouts torch refuses, the pipeline bubble and the ranking rule.
 * :mod:`.activation_plan`: the activations one layer keeps for backward, term by term
   (Korthikanti et al.), with the element and dropout-mask bytes as parameters.
 * :mod:`.traffic`: every collective a step sends, counted inside the ranks, and what torch

@@ -38,7 +38,7 @@ __all__ = [
 ]
 
 #: Bytes of one activation element by the planner's precision (16-bit under "mixed").
-ELEMENT_BYTES: dict[str, int] = {"mixed": 2, "fp32": 4}
+ELEMENT_BYTES: dict[str, int] = {"mixed": 2, "fp32": 4, "mixed_fp32_grads": 2}
 _RECOMPUTE = ("none", "selective", "full")
 
 ACTIVATIONS_SOURCE = (
@@ -74,6 +74,7 @@ def activation_terms(
     *,
     mask_bytes: int = 1,
     norm_stat_bytes: int = 0,
+    keep_gathered: bool = False,
 ) -> dict[str, int]:
     """Bytes one layer keeps for backward per micro-batch, by term, on one rank.
 
@@ -91,6 +92,8 @@ def activation_terms(
             (``torch.nn.functional.dropout`` on CPU).
         norm_stat_bytes: bytes of a LayerNorm's saved mean and reciprocal standard deviation
             elements; 0 leaves them out, as the paper does.
+        keep_gathered: under sequence parallelism, the q-k-v and fc1 inputs are kept whole
+            (all-gathered) rather than as this rank's shard (``ParallelGPTLayer``'s option).
 
     Returns:
         Term name to bytes; :data:`PAPER_TERMS` holds the paper's figure for each, plus
@@ -110,18 +113,19 @@ def activation_terms(
     s, b, h, a = model.seq_len, model.micro_batch, model.hidden, model.heads
     sbh, sbf, scores = s * b * h, s * b * (model.ffn or 4 * h), a * s * s * b
     whole = tp if sequence_parallel else 1  # what plain tensor parallelism keeps whole
+    entry = 1 if keep_gathered else whole  # each region's first input
     if recompute == "full":
         return {"layer input": e * sbh // whole}
     terms = {  # bytes on one process, and what divides them on a rank
         "layer norm inputs": (2 * e * sbh, whole),
-        "qkv input": (e * sbh, whole),
+        "qkv input": (e * sbh, entry),
         "q and k": (2 * e * sbh, tp),
         "softmax output": (e * scores, tp),
         "softmax dropout mask": (m * scores, tp),
         "scores after dropout": (e * scores, tp),
         "v": (e * sbh, tp),
         "projection input": (e * sbh, tp),
-        "fc1 input": (e * sbh, whole),
+        "fc1 input": (e * sbh, entry),
         "gelu input": (e * sbf, tp),
         "fc2 input": (e * sbf, tp),
         "residual dropout masks": (2 * m * sbh, whole),
@@ -142,6 +146,7 @@ def activation_bytes_per_layer(
     *,
     mask_bytes: int = 1,
     norm_stat_bytes: int = 0,
+    keep_gathered: bool = False,
 ) -> int:
     """Bytes of activations one layer keeps for backward, per micro-batch (Korthikanti et al.).
 
@@ -161,5 +166,6 @@ def activation_bytes_per_layer(
             recompute,
             mask_bytes=mask_bytes,
             norm_stat_bytes=norm_stat_bytes,
+            keep_gathered=keep_gathered,
         ).values()
     )

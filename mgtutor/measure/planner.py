@@ -6,17 +6,13 @@ parallel ``pp``), and returns a :class:`Plan`: the bytes one GPU holds by catego
 each collective moves per optimizer step, and whether it fits. :func:`layouts` tries every
 layout for a number of GPUs and keeps those that fit.
 
-Everything here is arithmetic; nothing is measured. Where the same question can be measured
-on CPU ranks, the tests check every category: ``tests/measure/test_planner.py`` the float32
-model states against :func:`mgtutor.measure.memplan.estimate` (itself equal, byte for byte, to
-what :mod:`~mgtutor.measure.breakdown` measures inside ranks) and the tensor-parallel
-collectives against :func:`mgtutor.parallel.tensor_comms.count_collectives`;
-``tests/measure/test_activation_plan.py`` the activations, term by term, against what autograd
-keeps for :class:`mgtutor.parallel.gpt_layer.GPTLayer` in one process and per rank under tensor
-and sequence parallelism, with full and selective recomputation
-(:mod:`~mgtutor.measure.activation_plan`, re-exported here); ``test_traffic.py`` the DDP and
-pipeline collectives against every call counted in the ranks, and ZeRO-1/2/3 against what torch
-runs instead (:func:`mgtutor.measure.traffic.torch_collectives`, exact).
+Everything here is arithmetic; the tests check each category against what CPU ranks hold and
+run (``tests/measure/test_planner.py``, ``test_activation_plan.py``, ``test_traffic.py``): the
+float32 model states against :func:`mgtutor.measure.memplan.estimate` (equal to what ranks
+hold), the activations term by term against autograd in
+:class:`mgtutor.parallel.gpt_layer.GPTLayer`, and every collective against the calls counted in
+ranks (DDP, pipeline, TP and SP with and without recomputation; torch's ZeRO-1/2/3 in
+:func:`mgtutor.measure.traffic.torch_collectives`).
 
 Sources of the formulas:
 
@@ -31,12 +27,19 @@ Sources of the formulas:
   Models", arXiv:2205.05198, section 4 and table 2 (16-bit activations, per layer).
 * Tensor parallelism: Shoeybi et al., "Megatron-LM", arXiv:1909.08053, section 3: two
   all-reduces of the layer's activation forward and two backward per layer (notebook 13).
+  Sequence parallelism, recomputation, what torch refuses, the bubble and the ranking rule:
+  :mod:`~mgtutor.measure.plan_rules`.
+* Float32 gradients with 16-bit parameters ("mixed_fp32_grads"): Megatron-LM's
+  ``docs/source/api-guide/dist_optimizer.md`` (commit 50b073c), "float16 param, fp32 grads |
+  18 | 6 + 12/d" bytes per parameter: gradients are accumulated and reduced in float32.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from mgtutor.measure.activation_plan import (
     ACTIVATIONS_SOURCE,
@@ -44,23 +47,42 @@ from mgtutor.measure.activation_plan import (
     activation_bytes_per_layer,
     activation_terms,
 )
+from mgtutor.measure.plan_rules import (
+    MAX_BUBBLE,
+    RANKING_RULE,
+    bubble,
+    candidate_layouts,
+    rank_key,
+    refusal,
+    refused_layouts,
+    tp_collectives_per_layer,
+)
 
 __all__ = [
     "ACTIVATIONS_SOURCE",
     "BYTES_PER_PARAMETER",
+    "MAX_BUBBLE",
     "Collective",
     "Plan",
+    "RANKING_RULE",
     "Transformer",
     "activation_bytes_per_layer",
     "activation_terms",
     "layouts",
     "plan",
+    "refused_layouts",
 ]
 
 #: Bytes per parameter: (parameter, gradient, optimizer state) for Adam in each precision.
 #: "mixed": 16-bit parameters and gradients, float32 master weights, momentum and variance
 #: (ZeRO's 2 + 2 + K, K = 12). "fp32": float32 everywhere, Adam's two moments (4 + 4 + 8).
-BYTES_PER_PARAMETER: dict[str, tuple[int, int, int]] = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
+#: "mixed_fp32_grads": 16-bit parameters, float32 gradients for accumulation and reduction
+#: (Megatron-LM's bf16 default, 18 bytes: its dist_optimizer.md); twice the gradient traffic.
+BYTES_PER_PARAMETER: dict[str, tuple[int, int, int]] = {
+    "mixed": (2, 2, 12),
+    "fp32": (4, 4, 8),
+    "mixed_fp32_grads": (2, 4, 12),
+}
 
 
 @dataclass(frozen=True)
@@ -145,7 +167,7 @@ class Plan:
 
     ``memory`` maps each category to bytes: parameters, gradients, optimizer_state,
     communication (DDP's buckets, when counted), transient (ZeRO-3's all-gathered unit and its
-    unsharded gradients) and activations.
+    unsharded gradients), activations and logits (the output layer's float32 logits).
     """
 
     dp: int
@@ -156,7 +178,13 @@ class Plan:
     memory: dict[str, int]
     collectives: tuple[Collective, ...]
     gpu_memory: int
+    micro_batches: int = 1
     activations_source: str = ACTIVATIONS_SOURCE
+
+    @property
+    def bubble(self) -> float:
+        """The fraction of the step a stage idles, (p-1)/(m+p-1) (1F1B and GPipe)."""
+        return bubble(self.pp, self.micro_batches)
 
     @property
     def total(self) -> int:
@@ -204,6 +232,7 @@ def plan(
     precision: str = "mixed",
     micro_batches: int = 1,
     sequence_parallel: bool = False,
+    keep_gathered: bool = False,
     recompute: str = "none",
     ddp_buckets: bool = False,
 ) -> Plan:
@@ -223,15 +252,19 @@ def plan(
       to N shards, plus its unsharded gradients: 2 x ceil(unit/N)·N·B_p (FSDP2 per layer).
     * activations: :func:`activation_bytes_per_layer` x ceil(L/pp) layers x min(micro_batches,
       pp) micro-batches in flight (1F1B; Korthikanti et al. section 4.2.3).
+    * logits (pp = 1 only: with a pipeline the last stage holds them, not the planned first):
+      the output layer's b·s·V/t logits in float32, as the loss upcasts them (4 bytes each).
 
     Collectives per step: data parallelism all-reduces the gradients (ZeRO 0); ZeRO-1/2
     reduce-scatter them (ZeRO-2 per micro-batch: it keeps no whole gradients) and all-gather
     the updated parameters (the ZeRO paper's 2x the parameters); ZeRO-3 all-gathers the
     parameters in forward and again in backward and reduce-scatters the gradients, per
-    micro-batch (3x). Tensor parallelism: 4 all-reduces of the b·s·h activation per layer per
-    micro-batch (2 forward, 2 backward), or with sequence parallelism 4 all-gathers and 4
-    reduce-scatters of it. Pipeline: the activation sent forward and its gradient sent back at
-    each stage boundary, per micro-batch (a middle stage sends both; with pp=2, one each).
+    micro-batch (3x). Tensor parallelism: the b·s·h activation, per layer per micro-batch,
+    :func:`~mgtutor.measure.plan_rules.tp_collectives_per_layer` times (4 all-reduces; with
+    sequence parallelism 6 all-gathers and 4 reduce-scatters, 4 and 4 with ``keep_gathered``;
+    2 more of each forward collective under full recomputation). Pipeline: the activation
+    (b·s·h/t with sequence parallelism) sent forward and its gradient sent back at each stage
+    boundary, per micro-batch (a middle stage sends both; with pp=2, one each).
 
     Args:
         model: the model's shape.
@@ -244,6 +277,8 @@ def plan(
         precision: "mixed" or "fp32" (keys of :data:`BYTES_PER_PARAMETER`).
         micro_batches: micro-batches per optimizer step (gradient accumulation or pipeline).
         sequence_parallel: Megatron's sequence parallelism with ``tp``.
+        keep_gathered: with sequence parallelism, keep the all-gathered q-k-v and fc1 inputs
+            whole for backward (more memory, 2 all-gathers fewer) instead of the shard.
         recompute: "none", "selective" or "full" activation recomputation.
         ddp_buckets: count DDP's bucket copy of the gradients (ZeRO 0 and 1).
 
@@ -252,13 +287,12 @@ def plan(
 
     Raises:
         ValueError: if the layout does not multiply to ``gpus``, a size is below 1, the
-            heads do not split over ``tp``, ``pp`` exceeds the layers, or ``zero`` or
-            ``precision`` is unknown.
+            heads do not split over ``tp``, ``pp`` exceeds the layers, ``zero`` or
+            ``precision`` is unknown, or torch does not run the layout
+            (:func:`~mgtutor.measure.plan_rules.refusal` says why).
 
     Example:
-        >>> p = plan(Transformer(layers=32, hidden=4096, heads=32, seq_len=4096), 8, 80 * 10**9,
-        ...          zero=3)
-        >>> p.fits, p.memory["optimizer_state"]
+        >>> plan(Transformer(layers=32, hidden=4096, heads=32, seq_len=4096), 8, 80 * 10**9).fits
     """
     dp = gpus // (tp * pp) if dp is None else dp
     if min(dp, tp, pp, gpus, micro_batches) < 1 or dp * tp * pp != gpus:
@@ -276,6 +310,9 @@ def plan(
         raise ValueError(f"{model.heads} heads cannot be split over tp={tp}: tp must divide them")
     if pp > model.layers:
         raise ValueError(f"pp={pp} stages for {model.layers} layers: at most one stage a layer")
+    reason = refusal(dp=dp, pp=pp, zero=zero, micro_batches=micro_batches)
+    if reason:
+        raise ValueError(reason)
     b_param, b_grad, b_opt = BYTES_PER_PARAMETER[precision]
     layers = math.ceil(model.layers / pp)
     replicated = model.replicated_per_layer
@@ -289,10 +326,11 @@ def plan(
         "communication": held * b_grad if ddp_buckets and zero <= 1 else 0,
         "transient": 0,
         "activations": activation_bytes_per_layer(
-            model, tp, sequence_parallel, precision, recompute
+            model, tp, sequence_parallel, precision, recompute, keep_gathered=keep_gathered
         )
         * layers
         * min(micro_batches, pp),
+        "logits": 4 * model.micro_batch * model.seq_len * model.vocab // tp if pp == 1 else 0,
     }
     if zero >= 3:
         unit = max(layer_shard, model.embedding // tp)
@@ -311,16 +349,14 @@ def plan(
             collectives.append(_ring("reduce_scatter", dp, grads, micro_batches, "dp"))
     activation = model.micro_batch * model.seq_len * model.hidden * ELEMENT_BYTES[precision]
     if tp > 1:
-        calls = 4 * layers * micro_batches
-        if sequence_parallel:
-            collectives.append(_ring("all_gather", tp, activation, calls, "tp"))
-            collectives.append(_ring("reduce_scatter", tp, activation, calls, "tp"))
-        else:
-            collectives.append(_ring("all_reduce", tp, activation, calls, "tp"))
+        per_layer = tp_collectives_per_layer(sequence_parallel, keep_gathered, recompute)
+        for name, calls in per_layer.items():
+            collectives.append(_ring(name, tp, activation, calls * layers * micro_batches, "tp"))
     if pp > 1:
         sends = (2 if pp > 2 else 1) * micro_batches
-        collectives.append(Collective("send", "pp", pp, activation, sends, sends * activation))
-    return Plan(dp, tp, pp, zero, precision, memory, tuple(collectives), gpu_memory)
+        piece = activation // tp if sequence_parallel else activation
+        collectives.append(Collective("send", "pp", pp, piece, sends, sends * piece))
+    return Plan(dp, tp, pp, zero, precision, memory, tuple(collectives), gpu_memory, micro_batches)
 
 
 def layouts(
@@ -329,46 +365,36 @@ def layouts(
     gpu_memory: int,
     *,
     zero: tuple[int, ...] = (0, 1, 2, 3),
-    precision: str = "mixed",
-    micro_batches: int = 1,
-    sequence_parallel: bool = False,
-    recompute: str = "none",
+    max_bubble: float = MAX_BUBBLE,
+    key: Callable[[Plan], Any] | None = None,
+    **options: Any,
 ) -> list[Plan]:
-    """Every layout of ``gpus`` GPUs (dp x tp x pp, each ZeRO stage) that fits, best first.
+    """Every layout of ``gpus`` GPUs (dp x tp x pp, each ZeRO stage) that torch runs and that
+    fits, best first.
 
     A ZeRO stage above 0 is tried only with dp > 1, tp only where it divides the heads, pp
-    only up to the layers. The plans that fit are sorted by the bytes a GPU sends per step,
-    then by memory per GPU: the layout that communicates least comes first (this says nothing
-    of bandwidth: tensor parallelism's traffic needs a fast link, NVLink within a node).
+    only up to the layers; what torch refuses is left out (:func:`refused_layouts` lists it,
+    with the reason). The order is :data:`RANKING_RULE`: bytes alone would put a pipeline
+    that idles half of each step first, since a pipeline sends least. Bytes and the bubble are
+    not time: tensor parallelism's traffic needs a fast link (NVLink within a node), and data
+    parallelism's overlaps with backward; ``key`` takes another rule (a time model).
 
     Args:
-        model, gpus, gpu_memory, precision, micro_batches, sequence_parallel, recompute: as
-            :func:`plan`.
+        model, gpus, gpu_memory: as :func:`plan`.
         zero: the ZeRO stages to try.
+        max_bubble: the bubble above which a layout ranks after all others.
+        key: the sort key; by default :func:`~mgtutor.measure.plan_rules.rank_key`.
+        options: passed to :func:`plan` (precision, micro_batches, sequence_parallel, ...).
 
     Returns:
         The :class:`Plan` of every layout that fits; empty when none does.
     """
     found = []
-    for tp in (d for d in range(1, gpus + 1) if gpus % d == 0 and model.heads % d == 0):
-        for pp in (d for d in range(1, gpus // tp + 1) if (gpus // tp) % d == 0):
-            if pp > model.layers:
-                continue
-            for stage in zero:
-                if stage and gpus // (tp * pp) == 1:
-                    continue
-                p = plan(
-                    model,
-                    gpus,
-                    gpu_memory,
-                    tp=tp,
-                    pp=pp,
-                    zero=stage,
-                    precision=precision,
-                    micro_batches=micro_batches,
-                    sequence_parallel=sequence_parallel,
-                    recompute=recompute,
-                )
-                if p.fits:
-                    found.append(p)
-    return sorted(found, key=lambda p: (p.sent_bytes, p.total))
+    micro_batches = options.get("micro_batches", 1)
+    for tp, pp, stage in candidate_layouts(model, gpus, zero):
+        if refusal(dp=gpus // (tp * pp), pp=pp, zero=stage, micro_batches=micro_batches):
+            continue  # listed by refused_layouts
+        p = plan(model, gpus, gpu_memory, tp=tp, pp=pp, zero=stage, **options)
+        if p.fits:
+            found.append(p)
+    return sorted(found, key=key or (lambda p: rank_key(p, max_bubble)))

@@ -168,10 +168,114 @@ def test_communication_volumes():
     tp = plan(shape, 4, GB, tp=4, micro_batches=3).collectives
     assert [(c.name, c.calls, c.buffer_bytes) for c in tp] == [("all_reduce", 48, activation)]
     sp = plan(shape, 4, GB, tp=4, micro_batches=3, sequence_parallel=True).collectives
-    assert [c.name for c in sp] == ["all_gather", "reduce_scatter"]
-    assert sum(c.sent_bytes for c in sp) == tp[0].sent_bytes
+    assert [(c.name, c.calls) for c in sp] == [("all_gather", 72), ("reduce_scatter", 48)]
+    # Shard-only SP gathers each region's input again in backward: 6 x (t-1)/t + 4 x (t-1)/t
+    # of the buffer against TP's 4 x 2(t-1)/t, 1.25 times the bytes (4 and 4 would be equal).
+    assert 4 * sum(c.sent_bytes for c in sp) == 5 * tp[0].sent_bytes
     pp = {n: plan(shape, n, GB, pp=n, micro_batches=8).collectives[-1] for n in (2, 4)}
     assert (pp[2].calls, pp[4].calls, pp[4].sent_bytes) == (8, 16, 16 * activation)
+    # With SP a stage's output is its share of the sequence: b·s·h/t per send.
+    both = plan(shape, 4, GB, tp=2, pp=2, micro_batches=2, sequence_parallel=True)
+    assert both.collectives[-1].buffer_bytes == activation // 2
+
+
+def test_megatrons_float32_gradients_and_the_logits():
+    # Megatron-LM's dist_optimizer.md: "float16 param, fp32 grads | 18 | 6 + 12/d" bytes per
+    # parameter; the gradients' traffic doubles with them.
+    p, n = 2**20, 8
+    states = {z: plan(count(p), n, GB, zero=z, precision="mixed_fp32_grads") for z in (0, 1)}
+    assert states[0].model_states == 18 * p and states[1].model_states == 6 * p + 12 * p // n
+    grads = plan(count(p), n, GB, precision="mixed_fp32_grads").sent_bytes
+    assert grads == 2 * plan(count(p), n, GB).sent_bytes
+    # The loss upcasts the output layer's logits: b·s·V float32 values (b·s·V/t per TP rank).
+    shape = Transformer(layers=2, hidden=8, heads=2, seq_len=16, micro_batch=2, vocab=100)
+    assert plan(shape, 2, GB, tp=2).memory["logits"] == 4 * 2 * 16 * 100 // 2
+
+
+def _tp_collectives_in_ranks() -> dict:
+    """ParallelGPTLayer on each rank: every c10d call, by layout and recomputation; its bytes
+    kept with the gathered inputs; and whether Schedule1F1B takes fewer micro-batches than
+    stages."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    from mgtutor.measure import traffic
+    from mgtutor.parallel.gpt_layer import GPTLayer, ParallelGPTLayer, kept_for_backward
+
+    mgtutor.setup()
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layer, x = GPTLayer(16, 4, p=0.1), torch.randn(3, 4, 16)
+    variants = {
+        "tp": (ParallelGPTLayer(layer), x),
+        "sp": (ParallelGPTLayer(layer, sequence_parallel=True), x.chunk(2, 1)[rank]),
+        "sp_kept": (
+            ParallelGPTLayer(layer, sequence_parallel=True, keep_gathered=True),
+            x.chunk(2, 1)[rank],
+        ),
+    }
+    out: dict = {}
+    for name, (module, inputs) in variants.items():
+        for recompute in ("none", "full"):
+            with traffic.record_collectives() as calls:
+                if recompute == "full":
+                    y = torch.utils.checkpoint.checkpoint(module, inputs, use_reentrant=False)
+                else:
+                    y = module(inputs)
+                y.sum().backward()
+            out[name, recompute] = traffic.tally(calls, "tp")
+    out["kept"] = {name: kept_for_backward(m, i)[1] for name, (m, i) in variants.items()}
+    stage = PipelineStage(torch.nn.Linear(8, 8), rank, 2, torch.device("cpu"))
+    refused = {}
+    for micro_batches in (1, 2):
+        try:
+            Schedule1F1B(stage, n_microbatches=micro_batches)
+            refused[micro_batches] = None
+        except ValueError:
+            refused[micro_batches] = "ValueError"
+    out["1f1b"] = refused
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_in_ranks() -> list[dict]:
+    return mgtutor.launch(_tp_collectives_in_ranks, world_size=2, backend="gloo").results
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("variant", ["tp", "sp", "sp_kept"])
+def test_tp_and_sp_collectives_equal_what_ranks_run(tp_in_ranks, variant, recompute):
+    # One layer, one micro-batch: the planner's per-layer calls and buffers against every c10d
+    # call the two ranks made (shard-only SP: 6 all-gathers and 4 reduce-scatters).
+    shape = Transformer(layers=1, hidden=16, heads=4, seq_len=4, micro_batch=3)
+    options = {"sequence_parallel": variant != "tp", "keep_gathered": variant == "sp_kept"}
+    planned = plan(shape, 2, GB, tp=2, precision="fp32", recompute=recompute, **options)
+    want = tuple(sorted(planned.collectives, key=lambda c: (c.group, c.name)))
+    for rank in tp_in_ranks:
+        assert rank[variant, recompute] == want
+
+
+def test_kept_gathered_inputs_equal_the_activation_terms(tp_in_ranks):
+    shape = Transformer(layers=1, hidden=16, heads=4, seq_len=4, micro_batch=3)
+    for variant, options in {"sp": {}, "sp_kept": {"keep_gathered": True}}.items():
+        planned = planner.activation_terms(shape, 2, True, "fp32", norm_stat_bytes=4, **options)
+        for rank in tp_in_ranks:
+            assert rank["kept"][variant] == planned, variant
+    sp, kept = (tp_in_ranks[0]["kept"][v] for v in ("sp", "sp_kept"))
+    assert kept["qkv input"] == 2 * sp["qkv input"] == 3 * 4 * 16 * 4
+
+
+def test_planner_refuses_what_torch_refuses(tp_in_ranks):
+    # Schedule1F1B with 2 stages: ValueError with 1 micro-batch, none with 2.
+    for rank in tp_in_ranks:
+        assert rank["1f1b"] == {1: "ValueError", 2: None}
+    shape = Transformer(layers=4, hidden=8, heads=2, seq_len=4)
+    with pytest.raises(ValueError, match="Schedule1F1B"):
+        plan(shape, 2, GB, pp=2, micro_batches=1)
+    assert plan(shape, 2, GB, pp=2, micro_batches=2).bubble == 1 / 3
+    with pytest.raises(ValueError, match="unsharded"):
+        plan(shape, 4, GB, pp=2, zero=2, micro_batches=2)
 
 
 def test_activations_follow_korthikanti():
@@ -191,12 +295,18 @@ def test_activations_follow_korthikanti():
     assert "Korthikanti" in plan(shape, 1, GB).activations_source
 
 
-def test_layouts_fit_and_sort():
+def test_layouts_rank_by_the_rule_not_by_bytes():
     shape = Transformer(layers=32, hidden=4096, heads=32, seq_len=4096, vocab=32000)
-    found = layouts(shape, 8, 80 * GB, recompute="selective")
-    assert found and all(p.fits and p.dp * p.tp * p.pp == 8 for p in found)
-    keys = [(p.sent_bytes, p.total) for p in found]
-    assert keys == sorted(keys)
+    found = layouts(shape, 8, 80 * GB, recompute="selective", micro_batches=8)
+    names = {p.layout for p in found}
+    # By bytes alone pp=8 (bubble 7/15) would come first: it sends least of all.
+    assert min(found, key=lambda p: p.sent_bytes).layout == "dp=1 x tp=1 x pp=8"
+    assert found[0].bubble <= planner.MAX_BUBBLE < found[-1].bubble
+    refused = dict(planner.refused_layouts(shape, 8, micro_batches=8))
+    assert refused and not names & set(refused)
+    assert "dp=2 (ZeRO-3) x tp=1 x pp=4" in refused and "dp=2 x tp=1 x pp=4" in names
+    few = {p.layout for p in layouts(shape, 8, 80 * GB, recompute="selective", micro_batches=4)}
+    assert "dp=1 x tp=1 x pp=8" not in few  # 4 micro-batches for 8 stages: torch refuses
     assert not layouts(shape, 1, 80 * GB)
     assert "ZeRO-3" in plan(shape, 8, 80 * GB, zero=3).layout
 

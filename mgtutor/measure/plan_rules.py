@@ -1,0 +1,136 @@
+"""The planner's rules about what runs: collectives per layer, layouts torch refuses, the bubble.
+
+:mod:`mgtutor.measure.planner` does the arithmetic of bytes; this module holds the rules that
+decide which calls a layout makes and whether torch runs it at all, each checked against what
+runs (``tests/measure/test_planner.py``):
+
+* :func:`tp_collectives_per_layer`: the tensor- and sequence-parallel collectives one layer runs
+  per micro-batch, counted on 2 CPU ranks with :class:`mgtutor.parallel.gpt_layer.ParallelGPTLayer`
+  (and ``torch.utils.checkpoint`` around it for full recomputation).
+* :func:`refusal`: why torch does not run a layout, or None.
+* :func:`bubble` and :func:`bubble_scaled_bytes`, the rule :func:`~mgtutor.measure.planner.layouts`
+  ranks by (:data:`RANKING_RULE`). A time model (links, compute, overlap) would replace the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = [
+    "MAX_BUBBLE",
+    "RANKING_RULE",
+    "bubble",
+    "bubble_scaled_bytes",
+    "candidate_layouts",
+    "rank_key",
+    "refusal",
+    "refused_layouts",
+    "tp_collectives_per_layer",
+]
+
+#: Pipelines idling more than this fraction of a step rank after every other layout.
+MAX_BUBBLE = 0.25
+
+RANKING_RULE = (
+    "a layout whose pipeline bubble (p-1)/(m+p-1) exceeds max_bubble comes after every one "
+    "that does not; within each group, fewer bytes sent per useful step first: bytes sent per "
+    "step / (1 - bubble); then less memory per GPU"
+)
+
+
+def tp_collectives_per_layer(
+    sequence_parallel: bool = False, keep_gathered: bool = False, recompute: str = "none"
+) -> dict[str, int]:
+    """Calls of each collective one tensor-parallel layer runs per micro-batch, forward and back.
+
+    Each buffer is the layer's whole b·s·h activation (an all-reduce's tensor, an all-gather's
+    output, a reduce-scatter's input).
+
+    * Plain tensor parallelism (Megatron-LM's f and g): 4 all-reduces, 2 forward, 2 backward.
+    * Sequence parallelism keeping only this rank's shard of the q-k-v and fc1 inputs (as
+      Korthikanti et al. do, and as the activation model assumes): forward 2 all-gathers and 2
+      reduce-scatters; backward all-gathers each shard again for the weight's gradient and
+      reduce-scatters the input's gradient, and all-gathers the gradient of each reduce-scatter:
+      6 all-gathers, 4 reduce-scatters.
+    * ``keep_gathered``: the gathered inputs are kept whole, so backward gathers nothing again:
+      4 and 4 (and more activation memory: see
+      :func:`~mgtutor.measure.activation_plan.activation_terms`).
+    * Full recomputation re-runs the layer's forward in backward, its collectives included:
+      2 all-reduces more, or 2 all-gathers and 2 reduce-scatters more. Selective recomputation
+      re-runs only the attention core, which communicates nothing.
+    """
+    if not sequence_parallel:
+        counts = {"all_reduce": 4}
+    elif keep_gathered:
+        counts = {"all_gather": 4, "reduce_scatter": 4}
+    else:
+        counts = {"all_gather": 6, "reduce_scatter": 4}
+    if recompute == "full":
+        counts = {name: n + 2 for name, n in counts.items()}
+    return counts
+
+
+def bubble(pp: int, micro_batches: int) -> float:
+    """The fraction of a 1F1B or GPipe step a stage idles: (p-1)/(m+p-1) (0 without a pipeline)."""
+    return (pp - 1) / (micro_batches + pp - 1)
+
+
+def refusal(*, dp: int, pp: int, zero: int, micro_batches: int) -> str | None:
+    """Why torch does not run this layout as the planner would plan it, or None if it does."""
+    if pp > 1 and micro_batches < pp:
+        return (
+            f"pp={pp} with {micro_batches} micro-batches: torch's Schedule1F1B raises ValueError "
+            "when there are fewer micro-batches than stages (pipelining/schedules.py, torch "
+            "2.11 to 2.15); use at least as many micro-batches as stages"
+        )
+    if pp > 1 and zero >= 2 and dp > 1:
+        return (
+            f"ZeRO-{zero} with pp={pp}: torch's pipeline stage keeps FSDP's gradients unsharded "
+            "between micro-batches (set_requires_gradient_sync(False) and "
+            "set_reshard_after_backward(False) in pipelining/stage.py, torch 2.11 and 2.14) and "
+            "DeepSpeed refuses the combination, so the sharded gradients the stage promises "
+            "are not what runs; use ZeRO-1 with a pipeline"
+        )
+    return None
+
+
+def bubble_scaled_bytes(plan: Any) -> float:
+    """Bytes a GPU sends per step divided by the share of the step it computes, 1 - bubble."""
+    return plan.sent_bytes / (1 - plan.bubble)
+
+
+def rank_key(plan: Any, max_bubble: float = MAX_BUBBLE) -> tuple[bool, float, int]:
+    """The sort key of :data:`RANKING_RULE`: (bubble above ``max_bubble``, scaled bytes, memory)."""
+    return (plan.bubble > max_bubble, bubble_scaled_bytes(plan), plan.total)
+
+
+def candidate_layouts(
+    model: Any, gpus: int, zero: tuple[int, ...] = (0, 1, 2, 3)
+) -> Iterator[tuple[int, int, int]]:
+    """Every (tp, pp, ZeRO stage) of ``gpus`` GPUs whose sizes divide the heads and layers."""
+    for tp in (d for d in range(1, gpus + 1) if gpus % d == 0 and model.heads % d == 0):
+        for pp in (d for d in range(1, gpus // tp + 1) if (gpus // tp) % d == 0):
+            if pp > model.layers:
+                continue
+            for stage in zero:
+                if not (stage and gpus // (tp * pp) == 1):
+                    yield tp, pp, stage
+
+
+def refused_layouts(
+    model: Any, gpus: int, *, zero: tuple[int, ...] = (0, 1, 2, 3), micro_batches: int = 1
+) -> list[tuple[str, str]]:
+    """What :func:`~mgtutor.measure.planner.layouts` leaves out as torch does not run it.
+
+    Returns:
+        (layout, why) for each refused layout, e.g. ("dp=1 x tp=1 x pp=8", "pp=8 with 4 ...").
+    """
+    out = []
+    for tp, pp, stage in candidate_layouts(model, gpus, zero):
+        dp = gpus // (tp * pp)
+        reason = refusal(dp=dp, pp=pp, zero=stage, micro_batches=micro_batches)
+        if reason:
+            name = f"dp={dp}" + (f" (ZeRO-{stage})" if stage else "") + f" x tp={tp} x pp={pp}"
+            out.append((name, reason))
+    return out
