@@ -239,9 +239,13 @@ def _copy_of(norm: nn.LayerNorm) -> nn.LayerNorm:
 def all_reduce_replicated_grads(modules: Any) -> None:
     """Sum, over the ranks, the gradients of the parameters each rank keeps whole.
 
+    The ranks are the tensor-parallel group (here the default group): with data parallelism as
+    well, this sum is over another group than the data-parallel all-reduce and cannot be folded
+    into it (Megatron-LM's ``_allreduce_layernorm_grads``).
+
     Needed after backward under sequence parallelism only: each rank's norms and biases then saw
     its share of the tokens, so each holds a partial gradient. One all-reduce of all of them,
-    counted as a backward collective.
+    written down by ``count_collectives`` as a backward collective; it runs after backward.
 
     Args:
         modules: a :class:`ParallelBlock` or an iterable of them.

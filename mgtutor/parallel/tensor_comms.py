@@ -18,11 +18,13 @@ function                               forward                         backward
 
 Each collective runs on the default process group and, inside :func:`count_collectives`, is
 written down with its phase and the bytes of its whole buffer (an all-reduce's tensor, an
-all-gather's output, a reduce-scatter's input), the convention of notebook 12. The all-gather
-and reduce-scatter are ``dist.all_gather_single`` and ``dist.reduce_scatter_single`` (torch
-2.14 deprecates the older names, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which
-are used where the new ones do not exist, as in 2.4); gloo runs both on CPU (measured with 2.4.1
-and 2.14.1). They work along dim 0, so another dim is moved to the front.
+all-gather's output, a reduce-scatter's input), the convention of notebook 12. That list is
+what the functions say they ran; :class:`CollectiveCounter` records what ran, at the
+dispatcher. The all-gather and reduce-scatter are ``dist.all_gather_single`` and
+``dist.reduce_scatter_single`` (torch 2.14 deprecates the older names,
+``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which are used where the new ones do
+not exist, as in 2.4); gloo runs both on CPU (measured with 2.4.1 and 2.14.1). They work along
+dim 0, so another dim is moved to the front.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class Collective:
     """One collective a rank ran: its name, in which pass, and the bytes of its whole buffer."""
 
     name: str  # "all_reduce", "all_gather" or "reduce_scatter"
-    phase: str  # "forward" or "backward"
+    phase: str  # "backward" inside autograd's backward, else "forward"
     nbytes: int
 
 
@@ -114,34 +116,60 @@ _COLLECTIVE_WORDS = (
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Count the collective operators run inside the block: torch's ``CommDebugMode``, by hand.
+    """Record the collective operators run inside the block: torch's ``CommDebugMode``, by hand.
 
-    ``get_comm_counts()`` returns ``{"namespace.operator": calls}``, which :func:`by_kind`
-    reads as it reads ``CommDebugMode().get_comm_counts()``: DTensor's collectives
-    (``_c10d_functional.*``, run on the local tensors) and ``torch.distributed``'s
-    (``c10d.*``) alike.
+    Each operator is seen at the dispatcher when it runs, so what it records is what ran, not
+    what the calling code says it ran. ``calls`` lists them in order as :class:`Collective`
+    records: the kind, the phase (``"backward"`` while autograd's engine is running a node,
+    ``torch._C._current_autograd_node()``), and the bytes of the largest tensor among the
+    operator's inputs and outputs (an all-reduce's tensor, an all-gather's output, a
+    reduce-scatter's input: the whole buffer). ``get_comm_counts()`` returns
+    ``{"namespace.operator": calls}``, which :func:`by_kind` reads as it reads
+    ``CommDebugMode().get_comm_counts()``: DTensor's collectives (``_c10d_functional.*``, run on
+    the local tensors) and ``torch.distributed``'s (``c10d.*``) alike.
 
     For torch 2.11 to 2.13, whose ``CommDebugMode`` raises IndexError in
     ``_fw_set_module_hook`` when a module runs twice in one forward, as ``tensor.Block``'s
     dropout does: each run adds a forward hook that pops the module's parent, so the second
     run pops twice (torch 2.14's ``debug/_comm_mode.py`` removes the earlier hook first).
+
+    Example:
+        >>> with CollectiveCounter() as counter:
+        ...     model(x).sum().backward()
+        >>> [(c.name, c.phase, c.nbytes) for c in counter.calls]
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.calls: list[Collective] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
         name = getattr(func, "_opname", "")
         if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES and any(
             word in name for word in _COLLECTIVE_WORDS
         ):
             self.counts[f"{func.namespace}.{name}"] += 1
-        return func(*args, **(kwargs or {}))
+            tensors = [
+                t for t in _flatten((args, kwargs or {}, out)) if isinstance(t, torch.Tensor)
+            ]
+            phase = "forward" if torch._C._current_autograd_node() is None else "backward"
+            kind = by_kind({name: 1}).popitem()[0]
+            self.calls.append(Collective(kind, phase, max((t.nbytes for t in tensors), default=0)))
+        return out
 
     def get_comm_counts(self) -> dict[str, int]:
         """Calls so far, by operator, as ``CommDebugMode.get_comm_counts`` gives them."""
         return dict(self.counts)
+
+
+def _flatten(value: Any) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        return [leaf for item in value for leaf in _flatten(item)]
+    if isinstance(value, dict):
+        return _flatten(list(value.values()))
+    return [value]
 
 
 def _record(name: str, phase: str, nbytes: int) -> None:

@@ -74,7 +74,7 @@ def _split_blocks(block, x, ref, rank, world) -> dict[str, Any]:
     for sp in (False, True):
         parallel = tp.ParallelBlock(block, sequence_parallel=sp)
         mine = x.chunk(world, 1)[rank] if sp else x
-        with count_collectives() as calls:
+        with count_collectives() as calls, CollectiveCounter() as counter:
             y = parallel(mine)
             y.pow(2).sum().backward()
             unsynced = tp.gradient_errors(block, parallel)
@@ -86,9 +86,24 @@ def _split_blocks(block, x, ref, rank, world) -> dict[str, Any]:
             "grads": tp.gradient_errors(block, parallel),
             "unsynced": unsynced,
             "calls": [(c.name, c.phase, c.nbytes) for c in calls],
+            "ran": [(c.name, c.phase, c.nbytes) for c in counter.calls],
             "shards": tp.shard_of(parallel),
         }
     return out
+
+
+def _collective_not_run() -> dict[str, list[Any]]:
+    """g with its all-reduce skipped: what the functions wrote down against what ran."""
+    import torch.distributed as dist
+
+    run = dist.all_reduce
+    dist.all_reduce = lambda tensor, *args, **kwargs: None
+    try:
+        with count_collectives() as calls, CollectiveCounter() as counter:
+            reduce_from_parallel(torch.ones(3))
+    finally:
+        dist.all_reduce = run
+    return {"written": [c.name for c in calls], "ran": [c.name for c in counter.calls]}
 
 
 def _activations(rank, world) -> dict[str, int]:
@@ -255,6 +270,7 @@ def _worker() -> dict[str, Any]:
         "activations": _activations(rank, world),
         "errors": _errors(world),
         "without bias": _without_bias(rank, world),
+        "not run": _collective_not_run(),
         "params": {n: p.numel() for n, p in block.named_parameters()},
     }
 
@@ -317,6 +333,21 @@ def test_sequence_parallel_needs_the_replicated_gradients_summed(measured):
         assert unsynced["norm1.weight"] > 1e-3 and unsynced["mlp.down.bias"] > 1e-3
         assert unsynced["mlp.up.weight"] < 1e-12  # the split weights never needed it
         assert max(result["blocks"]["tp"]["unsynced"].values()) < 1e-12
+
+
+def test_collective_counter_records_what_ran_with_phase_and_bytes(measured):
+    replicated = (4 * DIM + 2 * DIM) * 8
+    for result in measured:
+        assert result["blocks"]["tp"]["ran"] == result["blocks"]["tp"]["calls"]
+        # the same collectives; the replicated gradients' all-reduce runs after backward
+        ran, written = result["blocks"]["sp"]["ran"], result["blocks"]["sp"]["calls"]
+        assert ran[:-1] == written[:-1]
+        assert ran[-1] == ("all_reduce", "forward", replicated) != written[-1]
+
+
+def test_collective_counter_does_not_count_a_collective_that_did_not_run(measured):
+    for result in measured:
+        assert result["not run"] == {"written": ["all_reduce"], "ran": []}
 
 
 def test_collectives_per_block(measured):
