@@ -28,14 +28,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "SentBytes",
     "attention_with_lse",
     "merge_partials",
     "needed_block",
     "ring_attention",
     "split_contiguous",
     "split_zigzag",
+    "ulysses_attention",
 ]
 
 Merge = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -256,3 +259,88 @@ class _RingAttention(torch.autograd.Function):
             for request in work:
                 request.wait()
         return grad_q, grads[0], grads[1], None, None, None, None, None
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: list[Tensor],
+    *,
+    causal: bool = True,
+    group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """Attention by head instead of by block: DeepSpeed-Ulysses (Jacobs et al., arXiv:2309.14509).
+
+    One all-to-all turns each of q, k and v from "my tokens, every head" into "every token, my
+    ``heads / world_size`` heads"; each rank runs whole-sequence attention for its heads; one
+    all-to-all turns the output back. Forward only (it is here to be counted, not trained).
+
+    Args:
+        q, k, v: this rank's rows, ``(batch, heads, L / world_size, D)``; heads must divide
+            by the world size.
+        layout: every rank's global positions, as for :func:`ring_attention`.
+        causal: mask keys after each query.
+        group: the process group; the default group if None.
+
+    Returns:
+        This rank's attention output, ``(batch, heads, L / world_size, D)``.
+    """
+    world = dist.get_world_size(group)
+    batch, heads, rows, dim = q.shape
+    if heads % world:
+        raise ValueError(f"{heads} heads do not divide by {world} ranks: Ulysses splits heads")
+
+    def to_heads(t: Tensor) -> Tensor:
+        send = t.reshape(batch, world, heads // world, rows, dim).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)  # recv[i]: rank i's tokens, this rank's heads
+        dist.all_to_all_single(recv, send, group=group)
+        return recv.permute(1, 2, 0, 3, 4).reshape(batch, heads // world, world * rows, dim)
+
+    positions = torch.cat(layout)  # the global position of every gathered row
+    masks = (positions, positions) if causal else (None, None)
+    out, _ = attention_with_lse(to_heads(q), to_heads(k), to_heads(v), *masks)
+    send = out.reshape(batch, heads // world, world, rows, dim).permute(2, 0, 1, 3, 4)
+    recv = torch.empty_like(send.contiguous())  # recv[j]: this rank's tokens, rank j's heads
+    dist.all_to_all_single(recv, send.contiguous(), group=group)
+    return recv.transpose(0, 1).reshape(batch, heads, rows, dim)
+
+
+class SentBytes(TorchDispatchMode):
+    """Record the collectives run inside the block, with the bytes that leave this rank.
+
+    ``records`` holds ``(operator, bytes sent to other ranks, bytes of the buffer received)``
+    per call, read from the tensors the operator got and returned: ``dist.isend``/``irecv``
+    (``c10d.send``, ``c10d.recv_``), ``dist.all_to_all_single`` (``c10d.alltoall_base_``) and
+    torch's functional collectives (``_c10d_functional.*``, which torch's context parallelism
+    calls). An all-gather sends its input to each other rank; an all-to-all sends every slice
+    but this rank's own.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[str, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        result = func(*args, **(kwargs or {}))
+        name = f"{getattr(func, 'namespace', '')}.{getattr(func, '_opname', '')}"
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if name == "c10d.send":
+            self.records.append((name, sum(t.nbytes for t in args[0]), 0))
+        elif name == "c10d.recv_":
+            self.records.append((name, 0, sum(t.nbytes for t in args[0])))
+        elif name == "_c10d_functional.all_gather_into_tensor":
+            self.records.append((name, args[0].nbytes * (world - 1), result.nbytes))
+        elif name == "_c10d_functional.all_to_all_single":
+            self.records.append((name, _split_bytes(args[0], args[2], rank), result.nbytes))
+        elif name == "c10d.alltoall_base_":
+            output, tensor, splits = args[0], args[1], args[3]
+            self.records.append((name, _split_bytes(tensor, splits, rank), output.nbytes))
+        return result
+
+
+def _split_bytes(tensor: Tensor, splits: list[int], rank: int) -> int:
+    """Bytes of ``tensor`` outside this rank's slice along dim 0 (equal slices if none given)."""
+    row = tensor.nbytes // max(tensor.shape[0], 1)
+    own = splits[rank] if splits else tensor.shape[0] // dist.get_world_size()
+    return tensor.nbytes - own * row
