@@ -141,9 +141,10 @@ def ring_attention(
     Forward, ``world_size - 1`` steps: each rank sends the key-value block it holds to rank
     ``rank + 1`` and receives one from ``rank - 1`` (started before it computes, so the message
     overlaps the work), attends its queries to the block it holds, and merges with
-    :func:`merge_partials`. Backward (autograd calls it): the blocks go round again with their
-    key and value gradients accumulating on them, one step more, so that each block's
-    gradients arrive home; each rank keeps its query gradients.
+    :func:`merge_partials`. Backward (autograd calls it): the blocks go round again, each sent
+    before the step's work as in forward; the key and value gradients accumulated for a block
+    follow it, each sent after the step's work, one step more, so that each block's gradients
+    arrive home; each rank keeps its query gradients.
 
     Args:
         q, k, v: this rank's rows, ``(..., L / world_size, D)``.
@@ -163,14 +164,14 @@ def ring_attention(
     return _RingAttention.apply(q, k, v, layout, causal, merge, trace, group)
 
 
-def _exchange(held: Tensor, group: dist.ProcessGroup | None) -> tuple[Tensor, list]:
+def _exchange(held: Tensor, group: dist.ProcessGroup | None, tag: int = 0) -> tuple[Tensor, list]:
     """Send ``held`` to the next rank and receive the previous rank's; returns (buffer, work)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     right, left = (rank + 1) % world, (rank - 1) % world
     if group is not None:
         right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
     incoming = torch.empty_like(held)
-    return incoming, [dist.isend(held, right, group), dist.irecv(incoming, left, group)]
+    return incoming, [dist.isend(held, right, group, tag), dist.irecv(incoming, left, group, tag)]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -230,34 +231,42 @@ class _RingAttention(torch.autograd.Function):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         q_pos = ctx.layout[rank]
         grad_q = torch.zeros_like(q)
-        # What travels: a block's keys, values and the gradients accumulated for them so far.
-        held = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
         delta = (grad_out * out).sum(-1, keepdim=True)  # d(softmax) needs sum(dO * O) per row
+        # Two messages travel: a block's keys and values, sent ahead of each step's work as in
+        # forward, and the gradients accumulated for that block so far, sent after it.
+        incoming_held, held_work = torch.stack([k, v]), []
+        incoming_grads, grads_work = torch.zeros_like(incoming_held), []
         for step in range(world):
-            incoming, work = _exchange(held, group) if step else (None, [])
-            for request in work:
+            for request in held_work:
                 request.wait()
-            if step:
-                held = incoming
+            held = incoming_held
+            if step < world - 1:
+                incoming_held, held_work = _exchange(held, group)
             k_pos = ctx.layout[(rank - step) % world]
             rows, cols = needed_block(q_pos, k_pos, ctx.causal)
-            if not len(rows):
-                continue
-            qq, kk, vv = q[..., rows, :], held[0][..., cols, :], held[1][..., cols, :]
-            scores = qq @ kk.transpose(-2, -1) * scale
-            if ctx.causal:
-                scores = scores.masked_fill(k_pos[cols][None, :] > q_pos[rows][:, None], -math.inf)
-            probs = torch.exp(scores - lse[..., rows].unsqueeze(-1))  # the final softmax
-            g = grad_out[..., rows, :]
-            d_scores = probs * (g @ vv.transpose(-2, -1) - delta[..., rows, :])
-            grad_q[..., rows, :] += d_scores @ kk * scale
-            held[2][..., cols, :] += d_scores.transpose(-2, -1) @ qq * scale
-            held[3][..., cols, :] += probs.transpose(-2, -1) @ g
-        grads = held[2:].contiguous()
-        if world > 1:  # the last step: each block's gradients go home
-            grads, work = _exchange(grads, group)
-            for request in work:
+            if len(rows):
+                qq, kk, vv = q[..., rows, :], held[0][..., cols, :], held[1][..., cols, :]
+                scores = qq @ kk.transpose(-2, -1) * scale
+                if ctx.causal:
+                    masked = k_pos[cols][None, :] > q_pos[rows][:, None]
+                    scores = scores.masked_fill(masked, -math.inf)
+                probs = torch.exp(scores - lse[..., rows].unsqueeze(-1))  # the final softmax
+                g = grad_out[..., rows, :]
+                d_scores = probs * (g @ vv.transpose(-2, -1) - delta[..., rows, :])
+                grad_q[..., rows, :] += d_scores @ kk * scale
+                grad_k = d_scores.transpose(-2, -1) @ qq * scale
+                grad_v = probs.transpose(-2, -1) @ g
+            for request in grads_work:  # this block's gradients so far: needed only now
                 request.wait()
+            grads = incoming_grads
+            if len(rows):
+                grads[0][..., cols, :] += grad_k
+                grads[1][..., cols, :] += grad_v
+            if world > 1:  # after the last step, each block's gradients go home
+                incoming_grads, grads_work = _exchange(grads, group, tag=1)
+        for request in grads_work:
+            request.wait()
+        grads = incoming_grads
         return grad_q, grads[0], grads[1], None, None, None, None, None
 
 

@@ -3,7 +3,8 @@
 The merge rule, the block kernel, the splits and the work they give each rank are pure
 functions, tested in this process. The ring itself needs ranks: one launch of 3 ranks (a ring of
 2 cannot tell sending right from sending left) runs every layout and mask, forward and backward,
-plus a ring over a subgroup, and the tests below each read their part of its results.
+a probe whose values name their rank, the order of backward's sends and products, Ulysses, and
+a ring over a subgroup; the tests below each read their part of its results.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import mgtutor
@@ -129,6 +131,20 @@ def test_needed_block_without_a_mask_is_the_whole_block() -> None:
 # --- the ring, on 3 ranks --------------------------------------------------------------------
 
 
+class _Order(TorchDispatchMode):
+    """The sends and matrix products run inside the block, in the order they ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        name = f"{func.namespace}.{func._opname}"
+        if name in ("c10d.send", "aten.mm", "aten.bmm"):
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
 def _ring_worker(shape: tuple[int, ...]) -> dict[Any, Any]:
     mgtutor.setup()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -169,6 +185,11 @@ def _ring_worker(shape: tuple[int, ...]) -> dict[Any, Any]:
         q[..., mine, :], k[..., mine, :], tagged, layout, causal=False, merge=recording_merge
     )
     results["received"] = received
+    local = [t[..., mine, :].clone().requires_grad_() for t in (q, k, v)]
+    out = context.ring_attention(*local, layout, causal=False)
+    with _Order() as order, context.SentBytes() as sent:
+        out.sum().backward()
+    results["backward"] = {"order": order.names, "sent": [b for _, b, _ in sent.records if b]}
     # Ulysses and the bytes each design sends, recorded as they run.
     with context.SentBytes() as ring_bytes:
         context.ring_attention(*[t[..., mine, :] for t in (q, k, v)], layout, causal=True)
@@ -223,6 +244,17 @@ def test_blocks_arrive_from_the_left_read_from_their_values() -> None:
     # outputs without a mask; only the values received tell the direction.
     for rank, result in enumerate(_ring_run()):
         assert result["received"] == [(rank - step) % WORLD for step in range(WORLD)]
+
+
+def test_backward_sends_the_next_block_before_computing() -> None:
+    # Keys and values leave ahead of each step's work; each block's gradients follow it.
+    block = torch.zeros(SHAPE)[..., : SHAPE[2] // WORLD, :].nbytes * 2  # float64 rows
+    for result in _ring_run():
+        order = result["backward"]["order"]
+        assert order.index("c10d.send") < min(
+            order.index(m) for m in ("aten.mm", "aten.bmm") if m in order
+        )
+        assert result["backward"]["sent"] == [2 * block] * (2 * WORLD - 1)
 
 
 def test_the_flops_that_ran_follow_the_causal_work_of_each_split() -> None:
