@@ -6,6 +6,8 @@ time, and each rank attends its queries to the block it holds. The partial resul
 blocks are combined exactly with their log-sum-exps (:func:`merge_partials`), so the output
 equals full attention. With a causal mask the contiguous split gives the last rank the most
 work; the zig-zag split (:func:`split_zigzag`) gives every rank the same.
+:func:`ulysses_attention` splits by head instead, and :class:`SentBytes` records what each
+design sends, as it runs.
 
 A rank's *layout* is the global positions of its rows: :func:`split_contiguous` and
 :func:`split_zigzag` give every rank's, and every rank passes all of them to
@@ -152,10 +154,11 @@ def ring_attention(
             :func:`split_zigzag`; this rank's rows are ``layout[rank]``.
         causal: mask keys after each query.
         merge: the rule that combines partial results (the notebook's exercise swaps in yours).
-        trace: a list to append one dict per forward step to: ``source`` (whose block),
-            ``pairs`` (query-key pairs computed), ``compute_s`` and ``wait_s`` (wall-clock
-            seconds computing, then waiting for the next block) and ``compute_cpu_s`` (this
-            process's CPU seconds computing, which other processes on the machine inflate less).
+        trace: a list to append one dict per forward step to: ``source`` (whose block, by
+            the ring's own arithmetic), ``pairs`` (query-key pairs, from
+            :func:`needed_block`), ``compute_s`` and ``wait_s`` (wall-clock seconds computing,
+            then waiting for the next block) and ``compute_cpu_s`` (this process's CPU seconds
+            computing, which other processes on the machine inflate less).
         group: the ring's process group; the default group if None.
 
     Returns:
