@@ -6,6 +6,8 @@ time, and each rank attends its queries to the block it holds. The partial resul
 blocks are combined exactly with their log-sum-exps (:func:`merge_partials`), so the output
 equals full attention. With a causal mask the contiguous split gives the last rank the most
 work; the zig-zag split (:func:`split_zigzag`) gives every rank the same.
+:func:`ulysses_attention` splits by head instead, and :class:`SentBytes` records what each
+design sends, as it runs.
 
 A rank's *layout* is the global positions of its rows: :func:`split_contiguous` and
 :func:`split_zigzag` give every rank's, and every rank passes all of them to
@@ -28,14 +30,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
+    "SentBytes",
     "attention_with_lse",
     "merge_partials",
     "needed_block",
     "ring_attention",
     "split_contiguous",
     "split_zigzag",
+    "ulysses_attention",
 ]
 
 Merge = Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]
@@ -138,9 +143,10 @@ def ring_attention(
     Forward, ``world_size - 1`` steps: each rank sends the key-value block it holds to rank
     ``rank + 1`` and receives one from ``rank - 1`` (started before it computes, so the message
     overlaps the work), attends its queries to the block it holds, and merges with
-    :func:`merge_partials`. Backward (autograd calls it): the blocks go round again with their
-    key and value gradients accumulating on them, one step more, so that each block's
-    gradients arrive home; each rank keeps its query gradients.
+    :func:`merge_partials`. Backward (autograd calls it): the blocks go round again, each sent
+    before the step's work as in forward; the key and value gradients accumulated for a block
+    follow it, each sent after the step's work, one step more, so that each block's gradients
+    arrive home; each rank keeps its query gradients.
 
     Args:
         q, k, v: this rank's rows, ``(..., L / world_size, D)``.
@@ -148,10 +154,11 @@ def ring_attention(
             :func:`split_zigzag`; this rank's rows are ``layout[rank]``.
         causal: mask keys after each query.
         merge: the rule that combines partial results (the notebook's exercise swaps in yours).
-        trace: a list to append one dict per forward step to: ``source`` (whose block),
-            ``pairs`` (query-key pairs computed), ``compute_s`` and ``wait_s`` (wall-clock
-            seconds computing, then waiting for the next block) and ``compute_cpu_s`` (this
-            process's CPU seconds computing, which other processes on the machine inflate less).
+        trace: a list to append one dict per forward step to: ``source`` (whose block, by
+            the ring's own arithmetic), ``pairs`` (query-key pairs, from
+            :func:`needed_block`), ``compute_s`` and ``wait_s`` (wall-clock seconds computing,
+            then waiting for the next block) and ``compute_cpu_s`` (this process's CPU seconds
+            computing, which other processes on the machine inflate less).
         group: the ring's process group; the default group if None.
 
     Returns:
@@ -160,14 +167,14 @@ def ring_attention(
     return _RingAttention.apply(q, k, v, layout, causal, merge, trace, group)
 
 
-def _exchange(held: Tensor, group: dist.ProcessGroup | None) -> tuple[Tensor, list]:
+def _exchange(held: Tensor, group: dist.ProcessGroup | None, tag: int = 0) -> tuple[Tensor, list]:
     """Send ``held`` to the next rank and receive the previous rank's; returns (buffer, work)."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     right, left = (rank + 1) % world, (rank - 1) % world
     if group is not None:
         right, left = dist.get_global_rank(group, right), dist.get_global_rank(group, left)
     incoming = torch.empty_like(held)
-    return incoming, [dist.isend(held, right, group), dist.irecv(incoming, left, group)]
+    return incoming, [dist.isend(held, right, group, tag), dist.irecv(incoming, left, group, tag)]
 
 
 class _RingAttention(torch.autograd.Function):
@@ -227,32 +234,125 @@ class _RingAttention(torch.autograd.Function):
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         q_pos = ctx.layout[rank]
         grad_q = torch.zeros_like(q)
-        # What travels: a block's keys, values and the gradients accumulated for them so far.
-        held = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
         delta = (grad_out * out).sum(-1, keepdim=True)  # d(softmax) needs sum(dO * O) per row
+        # Two messages travel: a block's keys and values, sent ahead of each step's work as in
+        # forward, and the gradients accumulated for that block so far, sent after it.
+        incoming_held, held_work = torch.stack([k, v]), []
+        incoming_grads, grads_work = torch.zeros_like(incoming_held), []
         for step in range(world):
-            incoming, work = _exchange(held, group) if step else (None, [])
-            for request in work:
+            for request in held_work:
                 request.wait()
-            if step:
-                held = incoming
+            held = incoming_held
+            if step < world - 1:
+                incoming_held, held_work = _exchange(held, group)
             k_pos = ctx.layout[(rank - step) % world]
             rows, cols = needed_block(q_pos, k_pos, ctx.causal)
-            if not len(rows):
-                continue
-            qq, kk, vv = q[..., rows, :], held[0][..., cols, :], held[1][..., cols, :]
-            scores = qq @ kk.transpose(-2, -1) * scale
-            if ctx.causal:
-                scores = scores.masked_fill(k_pos[cols][None, :] > q_pos[rows][:, None], -math.inf)
-            probs = torch.exp(scores - lse[..., rows].unsqueeze(-1))  # the final softmax
-            g = grad_out[..., rows, :]
-            d_scores = probs * (g @ vv.transpose(-2, -1) - delta[..., rows, :])
-            grad_q[..., rows, :] += d_scores @ kk * scale
-            held[2][..., cols, :] += d_scores.transpose(-2, -1) @ qq * scale
-            held[3][..., cols, :] += probs.transpose(-2, -1) @ g
-        grads = held[2:].contiguous()
-        if world > 1:  # the last step: each block's gradients go home
-            grads, work = _exchange(grads, group)
-            for request in work:
+            if len(rows):
+                qq, kk, vv = q[..., rows, :], held[0][..., cols, :], held[1][..., cols, :]
+                scores = qq @ kk.transpose(-2, -1) * scale
+                if ctx.causal:
+                    masked = k_pos[cols][None, :] > q_pos[rows][:, None]
+                    scores = scores.masked_fill(masked, -math.inf)
+                probs = torch.exp(scores - lse[..., rows].unsqueeze(-1))  # the final softmax
+                g = grad_out[..., rows, :]
+                d_scores = probs * (g @ vv.transpose(-2, -1) - delta[..., rows, :])
+                grad_q[..., rows, :] += d_scores @ kk * scale
+                grad_k = d_scores.transpose(-2, -1) @ qq * scale
+                grad_v = probs.transpose(-2, -1) @ g
+            for request in grads_work:  # this block's gradients so far: needed only now
                 request.wait()
+            grads = incoming_grads
+            if len(rows):
+                grads[0][..., cols, :] += grad_k
+                grads[1][..., cols, :] += grad_v
+            if world > 1:  # after the last step, each block's gradients go home
+                incoming_grads, grads_work = _exchange(grads, group, tag=1)
+        for request in grads_work:
+            request.wait()
+        grads = incoming_grads
         return grad_q, grads[0], grads[1], None, None, None, None, None
+
+
+def ulysses_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    layout: list[Tensor],
+    *,
+    causal: bool = True,
+    group: dist.ProcessGroup | None = None,
+) -> Tensor:
+    """Attention by head instead of by block: DeepSpeed-Ulysses (Jacobs et al., arXiv:2309.14509).
+
+    One all-to-all turns each of q, k and v from "my tokens, every head" into "every token, my
+    ``heads / world_size`` heads"; each rank runs whole-sequence attention for its heads; one
+    all-to-all turns the output back. Forward only (it is here to be counted, not trained).
+
+    Args:
+        q, k, v: this rank's rows, ``(batch, heads, L / world_size, D)``; heads must divide
+            by the world size.
+        layout: every rank's global positions, as for :func:`ring_attention`.
+        causal: mask keys after each query.
+        group: the process group; the default group if None.
+
+    Returns:
+        This rank's attention output, ``(batch, heads, L / world_size, D)``.
+    """
+    world = dist.get_world_size(group)
+    batch, heads, rows, dim = q.shape
+    if heads % world:
+        raise ValueError(f"{heads} heads do not divide by {world} ranks: Ulysses splits heads")
+
+    def to_heads(t: Tensor) -> Tensor:
+        send = t.reshape(batch, world, heads // world, rows, dim).transpose(0, 1).contiguous()
+        recv = torch.empty_like(send)  # recv[i]: rank i's tokens, this rank's heads
+        dist.all_to_all_single(recv, send, group=group)
+        return recv.permute(1, 2, 0, 3, 4).reshape(batch, heads // world, world * rows, dim)
+
+    positions = torch.cat(layout)  # the global position of every gathered row
+    masks = (positions, positions) if causal else (None, None)
+    out, _ = attention_with_lse(to_heads(q), to_heads(k), to_heads(v), *masks)
+    send = out.reshape(batch, heads // world, world, rows, dim).permute(2, 0, 1, 3, 4)
+    recv = torch.empty_like(send.contiguous())  # recv[j]: this rank's tokens, rank j's heads
+    dist.all_to_all_single(recv, send.contiguous(), group=group)
+    return recv.transpose(0, 1).reshape(batch, heads, rows, dim)
+
+
+class SentBytes(TorchDispatchMode):
+    """Record the collectives run inside the block, with the bytes that leave this rank.
+
+    ``records`` holds ``(operator, bytes sent to other ranks, bytes of the buffer received)``
+    per call, read from the tensors the operator got and returned: ``dist.isend``/``irecv``
+    (``c10d.send``, ``c10d.recv_``), ``dist.all_to_all_single`` (``c10d.alltoall_base_``) and
+    torch's functional collectives (``_c10d_functional.*``, which torch's context parallelism
+    calls). An all-gather sends its input to each other rank; an all-to-all sends every slice
+    but this rank's own.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[tuple[str, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        result = func(*args, **(kwargs or {}))
+        name = f"{getattr(func, 'namespace', '')}.{getattr(func, '_opname', '')}"
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if name == "c10d.send":
+            self.records.append((name, sum(t.nbytes for t in args[0]), 0))
+        elif name == "c10d.recv_":
+            self.records.append((name, 0, sum(t.nbytes for t in args[0])))
+        elif name == "_c10d_functional.all_gather_into_tensor":
+            self.records.append((name, args[0].nbytes * (world - 1), result.nbytes))
+        elif name == "_c10d_functional.all_to_all_single":
+            self.records.append((name, _split_bytes(args[0], args[2], rank), result.nbytes))
+        elif name == "c10d.alltoall_base_":
+            output, tensor, splits = args[0], args[1], args[3]
+            self.records.append((name, _split_bytes(tensor, splits, rank), output.nbytes))
+        return result
+
+
+def _split_bytes(tensor: Tensor, splits: list[int], rank: int) -> int:
+    """Bytes of ``tensor`` outside this rank's slice along dim 0 (equal slices if none given)."""
+    row = tensor.nbytes // max(tensor.shape[0], 1)
+    own = splits[rank] if splits else tensor.shape[0] // dist.get_world_size()
+    return tensor.nbytes - own * row

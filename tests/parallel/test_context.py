@@ -3,7 +3,8 @@
 The merge rule, the block kernel, the splits and the work they give each rank are pure
 functions, tested in this process. The ring itself needs ranks: one launch of 3 ranks (a ring of
 2 cannot tell sending right from sending left) runs every layout and mask, forward and backward,
-plus a ring over a subgroup, and the tests below each read their part of its results.
+a probe whose values name their rank, the order of backward's sends and products, Ulysses, and
+a ring over a subgroup; the tests below each read their part of its results.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 import mgtutor
 from mgtutor.parallel import context
@@ -128,6 +131,20 @@ def test_needed_block_without_a_mask_is_the_whole_block() -> None:
 # --- the ring, on 3 ranks --------------------------------------------------------------------
 
 
+class _Order(TorchDispatchMode):
+    """The sends and matrix products run inside the block, in the order they ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        name = f"{func.namespace}.{func._opname}"
+        if name in ("c10d.send", "aten.mm", "aten.bmm"):
+            self.names.append(name)
+        return func(*args, **(kwargs or {}))
+
+
 def _ring_worker(shape: tuple[int, ...]) -> dict[Any, Any]:
     mgtutor.setup()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -139,20 +156,51 @@ def _ring_worker(shape: tuple[int, ...]) -> dict[Any, Any]:
             mine = layout[rank]
             local = [t[..., mine, :].clone().requires_grad_() for t in (q, k, v)]
             trace: list[dict] = []
-            out = context.ring_attention(*local, layout, causal=causal, trace=trace)
+            with FlopCounterMode(display=False) as flops:  # the matmuls that ran
+                out = context.ring_attention(*local, layout, causal=causal, trace=trace)
             (out * grad[..., mine, :]).sum().backward()
             results[name, causal] = {
                 "rows": mine,
                 "out": out.detach(),
                 "grads": [t.grad for t in local],
-                "pairs": [step["pairs"] for step in trace],
-                "sources": [step["source"] for step in trace],
+                "flops": flops.get_total_flops(),
                 "times": all(
                     step[key] >= 0
                     for step in trace
                     for key in ("compute_s", "wait_s", "compute_cpu_s")
                 ),
             }
+    # Which block each step merged, read from the values: rank r's values are all r, and
+    # attention over a block of constant values returns that constant.
+    layout = context.split_contiguous(shape[2], world)
+    mine = layout[rank]
+    received: list[int] = []
+
+    def recording_merge(*partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        received.append(round(partials[2].flatten()[0].item()))
+        return context.merge_partials(*partials)
+
+    tagged = torch.full_like(v[..., mine, :], float(rank))
+    context.ring_attention(
+        q[..., mine, :], k[..., mine, :], tagged, layout, causal=False, merge=recording_merge
+    )
+    results["received"] = received
+    local = [t[..., mine, :].clone().requires_grad_() for t in (q, k, v)]
+    out = context.ring_attention(*local, layout, causal=False)
+    with _Order() as order, context.SentBytes() as sent:
+        out.sum().backward()
+    results["backward"] = {"order": order.names, "sent": [b for _, b, _ in sent.records if b]}
+    # Ulysses and the bytes each design sends, recorded as they run.
+    with context.SentBytes() as ring_bytes:
+        context.ring_attention(*[t[..., mine, :] for t in (q, k, v)], layout, causal=True)
+    with context.SentBytes() as ulysses_bytes:
+        ulysses = context.ulysses_attention(*[t[..., mine, :] for t in (q, k, v)], layout)
+    results["ulysses"] = {"rows": mine, "out": ulysses}
+    results["bytes"] = {"ring": ring_bytes.records, "ulysses": ulysses_bytes.records}
+    try:
+        context.ulysses_attention(*[t[..., :2, mine, :] for t in (q, k, v)], layout)
+    except ValueError as error:
+        results["two heads"] = str(error)
     # A ring over ranks 1 and 2 only: its neighbours are global ranks, not group ranks.
     pair = dist.new_group([1, 2])
     if rank:
@@ -189,17 +237,47 @@ def test_ring_equals_full_attention_forward_and_backward(layout: str, causal: bo
         assert torch.allclose(mine["out"], out[..., rows, :]), (rank, "output")
         for name, got, want in zip("qkv", mine["grads"], grads):
             assert torch.allclose(got, want[..., rows, :]), (rank, f"d{name}")
-        # Blocks arrive from the left: rank r holds r's, then r-1's, then r-2's.
-        assert mine["sources"] == [(rank - step) % WORLD for step in range(WORLD)]
 
 
-def test_ring_counts_the_work_that_needed_block_predicts() -> None:
-    n = SHAPE[2] // WORLD
-    per_rank = [sum(r["contiguous", True]["pairs"]) for r in _ring_run()]
-    assert per_rank == [n * n * (rank + 1) for rank in range(WORLD)]
-    zigzag = [sum(r["zigzag", True]["pairs"]) for r in _ring_run()]
-    assert zigzag == [zigzag[0]] * WORLD
+def test_blocks_arrive_from_the_left_read_from_their_values() -> None:
+    # Rank r merges r's block, then r-1's, then r-2's. A ring sending left gives the same
+    # outputs without a mask; only the values received tell the direction.
+    for rank, result in enumerate(_ring_run()):
+        assert result["received"] == [(rank - step) % WORLD for step in range(WORLD)]
+
+
+def test_backward_sends_the_next_block_before_computing() -> None:
+    # Keys and values leave ahead of each step's work; each block's gradients follow it.
+    block = torch.zeros(SHAPE)[..., : SHAPE[2] // WORLD, :].nbytes * 2  # float64 rows
+    for result in _ring_run():
+        order = result["backward"]["order"]
+        assert order.index("c10d.send") < min(
+            order.index(m) for m in ("aten.mm", "aten.bmm") if m in order
+        )
+        assert result["backward"]["sent"] == [2 * block] * (2 * WORLD - 1)
+
+
+def test_the_flops_that_ran_follow_the_causal_work_of_each_split() -> None:
+    batch, heads, length, dim = SHAPE
+    n, per_pair = length // WORLD, 4 * dim * heads * batch  # q.k and the weighted sum of v
+    contiguous = [r["contiguous", True]["flops"] // per_pair for r in _ring_run()]
+    assert contiguous == [n * n * (rank + 1) for rank in range(WORLD)]
+    zigzag = [r["zigzag", True]["flops"] // per_pair for r in _ring_run()]
+    assert zigzag == [zigzag[0]] * WORLD and sum(zigzag) == sum(contiguous)
+    assert [r["zigzag", False]["flops"] // per_pair for r in _ring_run()] == [n * length] * WORLD
     assert all(r["zigzag", True]["times"] for r in _ring_run())
+
+
+def test_ulysses_equals_full_attention_and_sends_less_than_the_ring() -> None:
+    out, _ = _full(causal=True)
+    for result in _ring_run():
+        assert torch.allclose(result["ulysses"]["out"], out[..., result["ulysses"]["rows"], :])
+        assert "divide by 3 ranks" in result["two heads"]
+    block = torch.zeros(SHAPE)[..., : SHAPE[2] // WORLD, :].nbytes * 2  # float64 rows
+    ring, ulysses = _ring_run()[0]["bytes"]["ring"], _ring_run()[0]["bytes"]["ulysses"]
+    assert [(op, sent) for op, sent, _ in ring if sent] == [("c10d.send", 2 * block)] * (WORLD - 1)
+    sent = [(op, sent) for op, sent, _ in ulysses]
+    assert sent == [("c10d.alltoall_base_", block * (WORLD - 1) // WORLD)] * 4
 
 
 def test_ring_over_a_subgroup_uses_global_ranks() -> None:
