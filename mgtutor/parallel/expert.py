@@ -17,7 +17,10 @@ combine ``all_to_all(y, r, s)``   the results back to their ranks    dispatch-sh
 The backward of a dispatch is a combine-shaped all-to-all, and vice versa. Inside
 :func:`count_all_to_all` each exchange is written down with its phase and the bytes this rank
 sends to each rank (not the small exchange of per-expert counts before the dispatch, one int64
-per expert, which has no backward). :class:`MoE` is the one-process layer;
+per expert, which has no backward): the layer's own account of what it meant to send.
+:class:`AllToAllRecorder` is the measurement to check it against: it watches torch's dispatcher
+and keeps every ``all_to_all_single`` that ran, with the tensors it sent and received.
+:class:`MoE` is the one-process layer;
 :class:`ExpertParallelMoE` the same layer on ranks, built from it. Capacity is applied per
 group of tokens (a rank's tokens), in token order, as Switch does; a token whose every choice
 is dropped gets 0 from the layer (a transformer's residual connection carries it on).
@@ -35,11 +38,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from mgtutor.parallel._tally import Tally
 
 __all__ = [
+    "AllToAllRecorder",
     "Exchange",
+    "Ran",
     "ExpertParallelMoE",
     "MoE",
     "all_to_all",
@@ -58,6 +64,48 @@ class Exchange:
     phase: str  # "forward" or "backward"
     sent: tuple[int, ...]  # bytes to rank 0, 1, ...
     received: tuple[int, ...]  # bytes from rank 0, 1, ...
+
+
+@dataclass(frozen=True)
+class Ran:
+    """One all-to-all as torch's dispatcher ran it: pass, bytes of the tensors, rows received."""
+
+    phase: str  # "forward", or "backward" inside autograd's backward ("unknown" if untold)
+    sent: int  # bytes of the input tensor
+    received: int  # bytes of the output tensor
+    rows: torch.Tensor  # the output tensor itself: what arrived, filled once the call returned
+
+
+class AllToAllRecorder(TorchDispatchMode):
+    """Keep every ``all_to_all_single`` run inside the block, as torch's dispatcher ran it.
+
+    ``torch.distributed.all_to_all_single`` reaches the operator ``c10d.alltoall_base_``
+    (output, input, ...); this mode sees each call with its real tensors, in forward and in
+    autograd's backward, whoever made it. ``calls`` lists them as :class:`Ran`, the small
+    exchange of counts included.
+
+    Example:
+        >>> with AllToAllRecorder() as recorder:
+        ...     y, aux = ExpertParallelMoE(moe)(x)
+        >>> [call.received for call in recorder.calls]
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[Ran] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        result = func(*args, **(kwargs or {}))
+        if "alltoall" in getattr(func, "_opname", ""):
+            output, inp = args[0], args[1]
+            phase = "forward"
+            task = getattr(torch._C, "_current_graph_task_id", None)  # private: -1 outside backward
+            if task is None:
+                phase = "unknown"  # a torch without it: the pass cannot be told
+            elif task() != -1:
+                phase = "backward"
+            self.calls.append(Ran(phase, inp.nbytes, output.nbytes, output))
+        return result
 
 
 _TALLY = Tally()

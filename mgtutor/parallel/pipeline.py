@@ -9,8 +9,12 @@ Notebook 15 builds what ``torch.distributed.pipelining`` does and checks it agai
 * :func:`gpipe_order` and :func:`one_f_one_b_order` are the two classic schedules, as the list
   of actions each stage runs; :func:`tick_table` plays them with one tick per action, which
   gives the bubble exactly; :func:`bubble_fraction` is the formula it matches;
-  :func:`max_in_flight` counts the micro-batches whose activations a stage keeps at once.
-* :func:`run_order` runs a stage's actions, timing each as an mgtutor phase.
+  :func:`max_in_flight` counts the micro-batches an order keeps in flight.
+  :func:`replay_ticks` plays any schedule's per-rank actions (several stages per rank, split
+  backwards) the same way, e.g. torch's interleaved 1F1B.
+* :func:`run_order` runs a stage's actions, timing each as an mgtutor phase;
+  :class:`HeldMicroBatches` measures, while it runs, how many micro-batches' saved activations
+  are really still alive; :class:`P2PCounter` counts the sends and receives that ran.
 
 Stage ``s`` runs on rank ``s`` of the default process group. Sends are ``dist.isend``: with
 blocking sends, 1F1B deadlocks (stage 0 sends an activation while stage 1 sends a gradient,
@@ -20,19 +24,25 @@ goes out, and at the end of :func:`run_order`.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "HandStage",
+    "HeldMicroBatches",
+    "P2PCounter",
     "bubble_fraction",
     "gpipe_order",
     "max_in_flight",
     "one_f_one_b_order",
+    "replay_ticks",
     "run_order",
     "split_stages",
     "tick_table",
@@ -77,7 +87,6 @@ class HandStage:
         sent: one ``(kind, peer, nbytes)`` per message sent, kind ``"activation"`` or
             ``"gradient"``.
         losses: the last stage's loss per micro-batch, in the order computed.
-        peak_in_flight: the most micro-batches whose activations it held at once.
     """
 
     def __init__(
@@ -99,7 +108,6 @@ class HandStage:
             )
         self.sent: list[tuple[str, int, int]] = []
         self.losses: list[torch.Tensor] = []
-        self.peak_in_flight = 0
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # micro-batch: (in, out)
         self._pending: dict[str, dist.Work] = {}  # the last send of each kind
 
@@ -132,7 +140,6 @@ class HandStage:
         else:
             self._send("activation", out.detach(), self.stage + 1)
         self._kept[i] = (x, out)
-        self.peak_in_flight = max(self.peak_in_flight, len(self._kept))
 
     def backward(self, i: int, grad: torch.Tensor | None = None) -> None:
         """Backward micro-batch ``i``, adding its gradients to the parameters' ``.grad``.
@@ -202,26 +209,50 @@ def tick_table(orders: Sequence[Sequence[Action]]) -> list[list[Action | None]]:
     Raises:
         ValueError: the orders wait for each other forever (a deadlock).
     """
+    ticks = replay_ticks(
+        [[(s, kind, i) for kind, i in o] for s, o in enumerate(orders)], len(orders)
+    )
+    return [[None if a is None else a[1:] for a in row] for row in ticks]
+
+
+Step = tuple[int, str, int]  # (stage, kind, micro-batch), kind "F", "B", "I" or "W"
+
+
+def replay_ticks(orders: Sequence[Sequence[Step]], n_stages: int) -> list[list[Step | None]]:
+    """Play each rank's actions, one tick each, as early as the data allows (free messages).
+
+    A rank may run several stages (interleaved and V schedules). ``F`` of micro-batch i on
+    stage s waits for ``F`` i on stage s - 1; ``B`` (full backward) or ``I`` (input gradient)
+    i on stage s for ``B`` or ``I`` i on stage s + 1, the last stage's for its own ``F``; ``W``
+    (weight gradient) i for ``I`` i on the same stage. A rank runs its actions in its order.
+
+    Returns:
+        One row per rank: what it runs at each tick, None when idle.
+
+    Raises:
+        ValueError: the orders wait for each other forever (a deadlock).
+    """
     n = len(orders)
-    done: dict[tuple[int, str, int], int] = {}  # (stage, kind, mb): the tick it finished
+    done: dict[tuple[int, str, int], int] = {}  # (stage, "F"/"B"/"W", mb): its tick
     position, rows, tick = [0] * n, [[] for _ in range(n)], 0
-    while any(position[s] < len(orders[s]) for s in range(n)):
+    while any(position[r] < len(orders[r]) for r in range(n)):
         ran = False
-        for s in range(n):
-            if position[s] == len(orders[s]):
-                rows[s].append(None)
+        for r in range(n):
+            if position[r] == len(orders[r]):
+                rows[r].append(None)
                 continue
-            kind, i = orders[s][position[s]]
-            need = (s - 1, "F", i) if kind == "F" else (s + 1, "B", i)
-            if kind == "B" and s == n - 1:
-                need = (s, "F", i)
-            if (kind == "F" and s == 0) or done.get(need, tick) < tick:
-                rows[s].append((kind, i))
-                done[(s, kind, i)] = tick
-                position[s] += 1
+            s, kind, i = orders[r][position[r]]
+            need = {
+                "F": (s - 1, "F", i) if s > 0 else None,
+                "W": (s, "B", i),
+            }.get(kind, (s + 1, "B", i) if s < n_stages - 1 else (s, "F", i))
+            if need is None or done.get(need, tick) < tick:
+                rows[r].append((s, kind, i))
+                done[(s, "B" if kind == "I" else kind, i)] = tick
+                position[r] += 1
                 ran = True
             else:
-                rows[s].append(None)
+                rows[r].append(None)
         if not ran:
             raise ValueError(f"the orders deadlock at tick {tick}: positions {position}")
         tick += 1
@@ -245,11 +276,75 @@ def max_in_flight(order: Sequence[Action]) -> int:
     return most
 
 
+class HeldMicroBatches:
+    """How many micro-batches' activations a stage really holds, measured, not taken on trust.
+
+    Inside :meth:`saving` (one micro-batch's forward), autograd's saved-tensor hooks
+    (``torch.autograd.graph.saved_tensors_hooks``) note every tensor saved for backward, by a
+    weak reference to its storage; storages in ``skip`` (the parameters, the batch) are left
+    out. :meth:`count` is how many micro-batches still have any such storage alive, whoever
+    keeps it: autograd's graph, or a stage that forgot to let go.
+
+    Args:
+        skip: tensors whose storages are not activations (parameters, the input batch).
+
+    Attributes:
+        peak: the largest :meth:`count` so far.
+    """
+
+    def __init__(self, skip: Iterable[torch.Tensor] = ()) -> None:
+        self._skip = {t.untyped_storage().data_ptr() for t in skip}
+        self._saved: dict[int, list[StorageWeakRef]] = {}
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def saving(self, i: int) -> Iterator[None]:
+        """Note what autograd saves inside the block as micro-batch ``i``'s."""
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in self._skip:
+                self._saved.setdefault(i, []).append(StorageWeakRef(storage))
+            return t.detach()  # not t itself: an output saved as itself would make a cycle
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+
+    def count(self) -> int:
+        """Micro-batches with a saved storage still alive now (and update :attr:`peak`)."""
+        alive = sum(any(not ref.expired() for ref in refs) for refs in self._saved.values())
+        self.peak = max(self.peak, alive)
+        return alive
+
+
+class P2PCounter(TorchDispatchMode):
+    """Count the point-to-point messages torch's dispatcher runs inside the block, by anyone.
+
+    ``dist.send`` and ``isend`` reach the operator ``c10d.send``, ``recv`` and ``irecv``
+    ``c10d.recv_``, also inside torch's schedules' ``batch_isend_irecv``. ``counts`` maps each
+    operator to its calls; ``sent_bytes`` adds up the tensors sent.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {"send": 0, "recv_": 0}
+        self.sent_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = getattr(func, "_opname", "")
+        if getattr(func, "namespace", None) == "c10d" and name in self.counts:
+            self.counts[name] += 1
+            if name == "send":
+                self.sent_bytes += sum(t.nbytes for t in args[0])
+        return func(*args, **(kwargs or {}))
+
+
 def run_order(
     stage: HandStage,
     order: Sequence[Action],
     inputs: Sequence[torch.Tensor] | None = None,
     targets: Sequence[torch.Tensor] | None = None,
+    held: HeldMicroBatches | None = None,
 ) -> list[tuple[str, int, float, float]]:
     """Run ``order`` on ``stage``, then wait for its sends; time each action's compute.
 
@@ -257,7 +352,9 @@ def run_order(
     input, and the previous send of the kind it sends being received), "forward" and
     "backward", so :func:`mgtutor.plot_timeline` draws the bubble as "wait". The first stage
     needs ``inputs`` and the last ``targets``, one per micro-batch. Sends and receives: those
-    of :meth:`HandStage.forward` and :meth:`HandStage.backward` for each action.
+    of :meth:`HandStage.forward` and :meth:`HandStage.backward` for each action. With ``held``,
+    each forward's saved tensors are noted and the micro-batches held are counted after each
+    action.
 
     Returns:
         One ``(kind, micro-batch, start, end)`` per action, ``perf_counter`` seconds of its
@@ -274,12 +371,15 @@ def run_order(
             stage.wait_sent("activation" if kind == "F" else "gradient")
         start = time.perf_counter()
         if kind == "F":
-            with phase("forward"):
+            noting = held.saving(i) if held is not None else contextlib.nullcontext()
+            with phase("forward"), noting:
                 x = inputs[i] if stage.is_first else received
                 stage.forward(i, x, targets[i] if stage.is_last else None)
         else:
             with phase("backward"):
                 stage.backward(i, received)
         spans.append((kind, i, start, time.perf_counter()))
+        if held is not None:
+            held.count()
     stage.wait()
     return spans

@@ -61,8 +61,9 @@ def test_the_plan_groups_kept_assignments_by_expert_and_counts_rows_per_rank() -
     assert per_expert.tolist() == [2, 1, 0, 2] and send == [3, 2]
 
 
-def _worker(capacity_factor: float | None, starved: bool) -> dict[str, Any]:
-    rank = dist.get_rank()
+def _layer_and_tokens(
+    capacity_factor: float | None, starved: bool
+) -> tuple[expert.MoE, torch.Tensor]:
     torch.manual_seed(0)
     moe = expert.MoE(DIM, HIDDEN, EXPERTS, K, capacity_factor).double()
     x = torch.randn(TOKENS * WORLD, DIM, dtype=torch.float64)
@@ -70,6 +71,12 @@ def _worker(capacity_factor: float | None, starved: bool) -> dict[str, Any]:
         x[:, 0] = 10.0
         with torch.no_grad():
             moe.router.weight[:, 0] = torch.tensor([5.0, 5.0, -5.0, -5.0])
+    return moe, x
+
+
+def _worker(capacity_factor: float | None, starved: bool) -> dict[str, Any]:
+    rank = dist.get_rank()
+    moe, x = _layer_and_tokens(capacity_factor, starved)
     x.requires_grad_()
     grad_y = torch.randn(TOKENS * WORLD, DIM, dtype=torch.float64)
     y, aux = moe(x, groups=WORLD)
@@ -84,7 +91,7 @@ def _worker(capacity_factor: float | None, starved: bool) -> dict[str, Any]:
         p.grad.clone() for p in moe.experts[first : first + EXPERTS // WORLD].parameters()
     ]
     moe.zero_grad()
-    with expert.count_all_to_all() as log:
+    with expert.AllToAllRecorder() as recorder, expert.count_all_to_all() as log:
         y_mine, aux_mine = ep(x_mine)
         ((y_mine * grad_y[mine]).sum() + aux_mine / WORLD).backward()
     router_grad = moe.router.weight.grad.clone()
@@ -102,6 +109,8 @@ def _worker(capacity_factor: float | None, starved: bool) -> dict[str, Any]:
             torch.allclose(p.grad, q) for p, q in zip(ep.experts.parameters(), reference_experts)
         ),
         "log": log,
+        "ran": [(call.phase, call.sent, call.received) for call in recorder.calls],
+        "arrived": recorder.calls[1].rows,
         "last": ep.last,
         "experts": r["experts"],
         "keep": r["keep"],
@@ -157,6 +166,28 @@ def test_the_backward_of_a_dispatch_is_a_combine_shaped_all_to_all() -> None:
             ("forward", recv, send),  # combine
             ("backward", send, recv),  # combine's backward: dispatch-shaped
             ("backward", recv, send),  # dispatch's backward: combine-shaped
+        ]
+
+
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_the_recorder_keeps_every_all_to_all_that_ran_with_the_rows_that_arrived(case: int) -> None:
+    moe, x = _layer_and_tokens(*CONFIGS[case])
+    row = DIM * 8  # float64
+    for rank, got in enumerate(r[case] for r in _run()):
+        expected = []  # each source rank's kept tokens for this rank's experts, by expert
+        for src in range(WORLD):
+            r = moe.route(x[src * TOKENS : (src + 1) * TOKENS])
+            for e in range(rank * EXPERTS // WORLD, (rank + 1) * EXPERTS // WORLD):
+                tokens, _ = ((r["experts"] == e) & r["keep"]).nonzero(as_tuple=True)
+                expected.append(x[src * TOKENS + tokens])
+        assert torch.equal(got["arrived"], torch.cat(expected))
+        sent, received = row * sum(got["last"]["send"]), row * sum(got["last"]["recv"])
+        assert got["ran"] == [
+            ("forward", EXPERTS * 8, EXPERTS * 8),  # the counts, int64
+            ("forward", sent, received),  # dispatch
+            ("forward", received, sent),  # combine
+            ("backward", sent, received),  # combine's backward
+            ("backward", received, sent),  # dispatch's backward
         ]
 
 

@@ -21,10 +21,13 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 import mgtutor
 from mgtutor.parallel.pipeline import (
     HandStage,
+    HeldMicroBatches,
+    P2PCounter,
     bubble_fraction,
     gpipe_order,
     max_in_flight,
     one_f_one_b_order,
+    replay_ticks,
     run_order,
     split_stages,
     tick_table,
@@ -88,24 +91,36 @@ def test_the_last_stage_refuses_to_start_without_a_loss() -> None:
     HandStage(nn.Linear(2, 2), 0, 2, (1, 2))  # the first stage needs none
 
 
+class _LeakyStage(HandStage):
+    """A stage that forgets to let go: it keeps every micro-batch's input and output."""
+
+    def backward(self, i: int, grad: torch.Tensor | None = None) -> None:
+        self.leaked = [*getattr(self, "leaked", []), self._kept[i]]
+        super().backward(i, grad)
+
+
 def _pipeline_worker(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any]:
     mgtutor.setup(backend="gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     module = split_stages(model, world)[rank]
     inputs, targets = x.chunk(N_MICRO), y.chunk(N_MICRO)
     result = {}
-    for name, order in {
-        "gpipe": gpipe_order(N_MICRO),
-        "1f1b": one_f_one_b_order(rank, world, N_MICRO),
-    }.items():
+    for name, order, cls in [
+        ("gpipe", gpipe_order(N_MICRO), HandStage),
+        ("1f1b", one_f_one_b_order(rank, world, N_MICRO), HandStage),
+        ("1f1b, leaking", one_f_one_b_order(rank, world, N_MICRO), _LeakyStage),
+    ]:
         module.zero_grad(set_to_none=True)
-        stage = HandStage(module, rank, world, (MICRO, HIDDEN), torch.float64, _sum_mse)
-        run_order(stage, order, inputs, targets)
+        stage = cls(module, rank, world, (MICRO, HIDDEN), torch.float64, _sum_mse)
+        held = HeldMicroBatches(skip=[*module.parameters(), x])
+        with P2PCounter() as p2p:
+            run_order(stage, order, inputs, targets, held=held)
         result[name] = {
             "grads": _grads(module),
             "sent": stage.sent,
-            "held": stage.peak_in_flight,
+            "held": held.peak,
             "losses": stage.losses,
+            "p2p": (p2p.counts, p2p.sent_bytes),
         }
     if TORCH_SCALES_GRADS:
         for cls, scale in [(ScheduleGPipe, False), (Schedule1F1B, False), (Schedule1F1B, True)]:
@@ -186,3 +201,29 @@ def test_gpipe_holds_every_micro_batch_and_1f1b_at_most_the_stages_left() -> Non
     gpipe, one_f_one_b = ([r[s]["held"] for r in _launch()] for s in ("gpipe", "1f1b"))
     assert gpipe == [N_MICRO, N_MICRO]
     assert one_f_one_b == [2, 1]
+
+
+def test_a_stage_that_keeps_every_micro_batch_is_measured_holding_them_all() -> None:
+    assert [r["1f1b, leaking"]["held"] for r in _launch()] == [N_MICRO, N_MICRO]
+    assert max_in_flight(one_f_one_b_order(0, 2, N_MICRO)) == 2  # what its order would say
+
+
+def test_the_p2p_counter_sees_every_send_and_receive_that_ran() -> None:
+    nbytes = MICRO * HIDDEN * 8
+    for r in _launch():
+        for schedule in ("gpipe", "1f1b"):
+            assert r[schedule]["p2p"] == ({"send": N_MICRO, "recv_": N_MICRO}, N_MICRO * nbytes)
+
+
+def test_replay_finds_the_interleaved_bubble_in_torchs_orders() -> None:
+    # torch 2.14's ScheduleInterleaved1F1B, 2 ranks, stages (0, 2) and (1, 3), 4 micro-batches
+    ranks = [
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3",
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3",
+    ]
+    orders = [[(int(a[0]), a[1], int(a[2:])) for a in r.split()] for r in ranks]
+    rows = replay_ticks(orders, 4)
+    assert [sum(a is None for a in row) for row in rows] == [2, 2]  # 2 (p - 1) chunk ticks
+    assert [[a for a in row if a] for row in rows] == orders
+    with pytest.raises(ValueError, match="deadlock"):
+        replay_ticks([[(0, "W", 0)], []], 2)  # a weight gradient before its input gradient
