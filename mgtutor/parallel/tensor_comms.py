@@ -154,7 +154,7 @@ class CollectiveCounter(TorchDispatchMode):
             tensors = [
                 t for t in _flatten((args, kwargs or {}, out)) if isinstance(t, torch.Tensor)
             ]
-            phase = "forward" if torch._C._current_autograd_node() is None else "backward"
+            phase = _phase()
             kind = by_kind({name: 1}).popitem()[0]
             self.calls.append(Collective(kind, phase, max((t.nbytes for t in tensors), default=0)))
         return out
@@ -170,6 +170,18 @@ def _flatten(value: Any) -> list[Any]:
     if isinstance(value, dict):
         return _flatten(list(value.values()))
     return [value]
+
+
+def _phase() -> str:
+    """The pass a collective runs in: ``"backward"`` while autograd's engine runs a node.
+
+    ``"forward"`` otherwise, and ``"unknown"`` on a torch without the private
+    ``torch._C._current_autograd_node`` (2.4 to 2.15 have it).
+    """
+    current_node = getattr(torch._C, "_current_autograd_node", None)
+    if current_node is None:
+        return "unknown"
+    return "forward" if current_node() is None else "backward"
 
 
 def _record(name: str, phase: str, nbytes: int) -> None:
