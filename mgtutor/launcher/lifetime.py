@@ -112,8 +112,11 @@ def in_use(pool: Any = None) -> Iterator[None]:
         with _clock:
             _busy -= 1
             _last_activity = time.monotonic()
-            if pool is not None and pool in _pools:
-                _pools[pool].last_used = _last_activity
+            watched = _pools.get(pool) if pool is not None else None
+            if watched is not None:
+                watched.last_used = _last_activity
+                if watched.stopped_after is not None and pool.alive:
+                    watched.stopped_after = None  # restarted (pool.restart()): nothing to say
             _clock.notify_all()
 
 
@@ -174,8 +177,8 @@ def pool_note(pool: Any, kept: str) -> str | None:
         return None
     return (
         f"mgtutor: {kept[0].lower()}{kept[1:]} had stopped after {describe(after)} with no "
-        f"call (idle_timeout); starting new ones. What the old ranks held (models, "
-        f"optimizers, names) is gone."
+        f"call (the idle timeout, {IDLE_TIMEOUT_ENV}); starting new ones. What the old ranks "
+        f"held (models, optimizers, names) is gone."
     )
 
 
@@ -221,7 +224,7 @@ def shutdown() -> None:
         for pool in pools:
             pool.close()
         stopped = stop_server()
-    what = [f"closed {len(pools)} pool{'s' * (len(pools) != 1)} ({ranks} ranks)"] if pools else []
+    what = [f"closed {_count(len(pools), 'pool')} ({_count(ranks, 'rank')})"] if pools else []
     what += ["stopped the rank server"] if stopped else []
     print(f"mgtutor: {' and '.join(what) or 'nothing was running (no pool, no rank server)'}.")
 
@@ -282,10 +285,13 @@ def _stop_what_is_idle(now: float) -> float:
             due = min(due, watched.last_used + timeout)
     timeout = _timeout_or_keep(FROM_ENVIRONMENT)
     pid = _server_pid()
-    if timeout is not None and pid is not None and not _server_has_ranks(pid):
-        if now - _last_activity >= timeout:
-            if stop_server():
-                _server_stopped_after = timeout
-        else:
+    if timeout is not None and pid is not None:
+        if now - _last_activity < timeout:
             due = min(due, _last_activity + timeout)
+        elif not _server_has_ranks(pid) and stop_server():  # its ranks would die with it
+            _server_stopped_after = timeout
     return max(due - time.monotonic(), 0.01)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'s' * (n != 1)}"
