@@ -51,6 +51,7 @@ from mgtutor.errors import ArgumentError, WorkerError, WorkerTimeout
 from mgtutor.hardware import HardwareInfo, describe_hardware
 from mgtutor.interactive import Experiment
 from mgtutor.launcher.launch import launch
+from mgtutor.launcher.lifetime import shutdown
 from mgtutor.launcher.pool import Pool
 from mgtutor.measure.breakdown import MemoryBreakdown, track
 from mgtutor.measure.memory import MemoryStats
@@ -97,6 +98,7 @@ __all__ = [
     "reduce_sums",
     "save_checkpoint",
     "setup",
+    "shutdown",
     "step",
     "teardown",
     "timer",

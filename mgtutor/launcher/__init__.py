@@ -18,4 +18,5 @@ Public: :func:`~mgtutor.launcher.launch.launch` (run a function once on every ra
 * :mod:`._supervise`: deciding when a call has ended, failed or hung, and what to stop.
 * :mod:`._report`: the error a learner reads: what happened, the hints, the ranks' stacks.
 * :mod:`._cleanup`: stopping every process of a launch, whatever happened.
+* :mod:`.lifetime`: the idle timeout that frees idle ranks and the server; ``shutdown()``.
 """
