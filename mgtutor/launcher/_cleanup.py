@@ -104,14 +104,7 @@ def stop_all(
         if h is primary or h in alive:
             continue
         if h.error is not None:
-            # Failing after the rank the error is about, it most often failed because of it
-            # (gloo's "Connection closed by peer" when that rank's process ended).
-            after = primary is not None and (h.failed_at or 0.0) > (primary.failed_at or 0.0)
-            how = f"then failed, a consequence of rank {primary.rank}'s failure" if after else ""
-            notes.append(
-                f"rank {h.rank} {how or 'had already failed'} ({h.error.exc_type}: "
-                f"{_first_line(h.error.message)})"
-            )
+            notes.append(failed_note(h, primary))
         elif h.done is not None:
             notes.append(f"rank {h.rank} had finished")
     stopped = "Cleanup: " + "; ".join(notes) + "." if notes else ""
@@ -215,6 +208,20 @@ def _still_running(process: Any) -> bool:
         return bool(process.is_running() and process.status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
+
+
+def failed_note(h: RankHandle, primary: RankHandle | None) -> str:
+    """What the cleanup sentence says of a rank that had failed before it was stopped.
+
+    Failing after the rank the error is about, it most often failed because of it (gloo's
+    "Connection closed by peer" when that rank's process ended): it is said to be a consequence.
+    """
+    error = h.error
+    assert error is not None
+    after = primary is not None and (h.failed_at or 0.0) > (primary.failed_at or 0.0)
+    how = f"then failed, a consequence of rank {primary.rank}'s failure" if after else ""
+    said = f"{error.exc_type}: {_first_line(error.message)}"
+    return f"rank {h.rank} {how or 'had already failed'} ({said})"
 
 
 def _first_line(text: str) -> str:
