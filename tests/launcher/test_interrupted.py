@@ -155,6 +155,7 @@ def test_stop_on_a_hung_ddp_cell_names_the_stuck_rank(shell, capsys, tmp_path) -
     )
     lines, text = _shown(shell, capsys, cell)
     assert _DIAGNOSIS.match(lines[0]), text
+    assert lines[0].endswith("which rank 0 is waiting in (cell line 4)"), text  # the %%ddp cell's
     assert "finished the %%ddp cell" in text, text
     _no_mgtutor_frame(text)
     mgtutor.launcher.magic.ddp_stop("")
