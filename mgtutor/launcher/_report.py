@@ -207,7 +207,11 @@ _LEFT_BEHIND = {"raised": "raised", "finished": "returned", "behind": "never rea
 
 
 def _consequence(rank: int, diagnosis: Any) -> str | None:
-    """ "a consequence: its peer, rank 1, returned", when the doctor blames another rank."""
+    """Why ``rank``'s error follows from another's, when the doctor blames that other rank.
+
+    For example "a consequence: its peer, rank 1, returned"; None when the doctor blames no
+    other rank (or says nothing).
+    """
     kind = getattr(diagnosis, "kind", None)
     blamed = getattr(diagnosis, "ranks", None) or []
     if kind not in _LEFT_BEHIND or not blamed or rank in blamed:
@@ -224,7 +228,10 @@ def _first_sentence(message: str) -> str:
 
 
 def ranks_named(ranks: list[Any]) -> str:
-    """ "rank 0", "ranks 0, 2" (a bare "0" reads as "no ranks"); ranks or their handles."""
+    """Ranks (numbers or handles) as a phrase: "rank 0", "ranks 0, 2".
+
+    A bare list ("still running: 0") reads as a count of none.
+    """
     numbers = [getattr(r, "rank", r) for r in ranks]
     if len(numbers) == 1:
         return f"rank {numbers[0]}"

@@ -220,10 +220,9 @@ class Supervisor(RankWatch):
             summary = (
                 f"{ranks_named(waiting).capitalize()} had not started after "
                 f"start_timeout={start_timeout:g} s (starting Python, importing, joining the "
-                f"group, unpickling "
-                f"{self.wording.sent}); every rank was stopped. The stacks below show where they "
-                f"were. On a slow or busy machine, or with torch on a network file system, pass a "
-                f"larger start_timeout (or None for no limit)."
+                f"group, unpickling {self.wording.sent}); every rank was stopped. The stacks "
+                f"below show where they were. On a slow or busy machine, or with torch on a "
+                f"network file system, pass a larger start_timeout (or None for no limit)."
             )
         else:
             summary = (
