@@ -10,21 +10,21 @@ was, and shows none of mgtutor's frames. A second interrupt skips the asking and
 
 A pool first interrupts fn on each rank (SIGINT): ranks that stop are kept; ranks blocked in
 native code (a collective) cannot be interrupted and are stopped, as a launch's always are.
+
+Each function takes the :class:`~._supervise.Supervisor` whose wait was interrupted (typed
+``Any``: ``_supervise`` imports this module, and the layout test forbids import loops).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mgtutor.errors import WorkerInterrupted
 from mgtutor.launcher import _report
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._report import ranks_named
-
-if TYPE_CHECKING:
-    from mgtutor.launcher._supervise import Supervisor
 
 __all__ = ["after_interrupt"]
 
@@ -34,7 +34,7 @@ _HOW = "(Stop, Kernel > Interrupt or Ctrl+C)"
 
 
 def after_interrupt(
-    sup: Supervisor, targets: list[RankHandle], keep: bool, phase: str = "running"
+    sup: Any, targets: list[RankHandle], keep: bool, phase: str = "running"
 ) -> WorkerInterrupted:
     """Stop what an interrupt must stop; the error that says what the ranks were doing.
 
@@ -72,7 +72,7 @@ def after_interrupt(
     )
 
 
-def _interrupt_pool(sup: Supervisor, targets: list[RankHandle]) -> WorkerInterrupted:
+def _interrupt_pool(sup: Any, targets: list[RankHandle]) -> WorkerInterrupted:
     """Interrupt fn on every rank of a pool; stop them all if some cannot be interrupted."""
     busy = [h for h in targets if not h.answered]
     for h in busy:
@@ -117,9 +117,7 @@ def _interrupt_pool(sup: Supervisor, targets: list[RankHandle]) -> WorkerInterru
     )
 
 
-def _gathered(
-    sup: Supervisor, ranks: list[RankHandle], records: bool
-) -> tuple[Any, dict[int, str]]:
+def _gathered(sup: Any, ranks: list[RankHandle], records: bool) -> tuple[Any, dict[int, str]]:
     """The doctor's diagnosis and the ranks' stacks, as a timeout takes them.
 
     Bounded: the doctor waits 1 s for the ranks' records, the stacks come within 2 s. A second
@@ -136,7 +134,7 @@ def _gathered(
     return diagnosis, stacks
 
 
-def _stop_anyway(sup: Supervisor) -> str:
+def _stop_anyway(sup: Any) -> str:
     """Stop every rank; an interrupt meanwhile starts the stopping again rather than end it."""
     try:
         return sup._stop()
@@ -144,7 +142,7 @@ def _stop_anyway(sup: Supervisor) -> str:
         return sup._stop()
 
 
-def _finish_board(sup: Supervisor) -> None:
+def _finish_board(sup: Any) -> None:
     if sup.board is not None:
         sup.board.finish(-1)
 
