@@ -265,8 +265,9 @@ class Pool:
             WorkerError: a rank raised (the pool is kept when the other ranks finished the
                 call, and stopped when they did not), or died (the pool is stopped).
             WorkerTimeout: ``timeout`` passed; the pool's ranks were stopped.
-            KeyboardInterrupt: the cell was interrupted; fn is interrupted on every rank and
-                the pool kept, or the ranks stopped when they could not be interrupted.
+            WorkerInterrupted: the cell was interrupted (a KeyboardInterrupt); fn is interrupted
+                on every rank and the pool kept, or the ranks stopped when they could not be
+                interrupted. It opens with where the ranks were, as a timeout does.
         """
         if not callable(fn):
             raise ArgumentError(f"Pool.run needs a function to run on every rank, got {fn!r}")
