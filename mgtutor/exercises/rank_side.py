@@ -41,8 +41,10 @@ __all__ = [
 Finding = dict[str, Any]
 
 _FAILURE_MARK = "mgtutor-exercise-failure:"
-# The exercises' folder: a learner's traceback starts below the frames of its modules.
+# The exercises' folder: a learner's traceback starts below the frames of its modules (the
+# reference solutions, which stand in for a learner's functions, excepted).
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_SOLUTIONS = os.path.join(_HERE, "solutions.py")
 
 
 class LearnerFailed(Exception):
@@ -78,10 +80,14 @@ class ForbiddenCollective(RuntimeError):
     """Raised in place of a collective that an exercise asks to build from messages instead."""
 
 
+def _is_checkers(filename: str) -> bool:
+    return os.path.dirname(filename) == _HERE and filename != _SOLUTIONS
+
+
 def _learner_traceback(exc: BaseException) -> str:
     tb = exc.__traceback__
-    while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == _HERE:
-        tb = tb.tb_next  # this package's frames: the learner's own start below them
+    while tb is not None and _is_checkers(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next  # the checker's frames: the learner's own start below them
     frames = traceback.extract_tb(tb)[-6:]
     return "".join(traceback.format_list(frames)) + f"{type(exc).__name__}: {exc}"
 
