@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from mgtutor.exercises import solutions
 
-# --- wrong answers, as a learner could write them -----------------------------------------
+# --- ring_average, notebook 02 --------------------------------------------------------------------
 
 
 def ring_sum(tensor):
@@ -66,6 +66,9 @@ def ring_returns_a_copy(tensor):
     return result
 
 
+# --- exact_accuracy, notebook 03 ------------------------------------------------------------------
+
+
 def accuracy_with_repeats(correct, sampler):
     counts = torch.tensor([float(correct.sum())])
     dist.all_reduce(counts)
@@ -96,6 +99,9 @@ def accuracy_waits_for_a_message_never_sent(correct, sampler):
     if dist.get_rank() == 0:
         dist.recv(torch.zeros(1), src=1)
     return 0.5
+
+
+# --- accumulate, notebook 05 ----------------------------------------------------------------------
 
 
 def _accumulate(
@@ -162,6 +168,9 @@ def accumulate_no_zero_grad(model, optimizer, micro_batches, k):
     )
 
 
+# --- snapshot, notebook 09 ------------------------------------------------------------------------
+
+
 def _save(path, job, rng):
     import mgtutor
 
@@ -211,6 +220,9 @@ def load_without_scheduler(path, job):
 
 def load_without_epoch(path, job):
     _load(path, job, epoch=False)
+
+
+# --- global_batch_stats, notebook 04 --------------------------------------------------------------
 
 
 def _channel_sums(x):
@@ -263,6 +275,9 @@ def stats_without_counts(x):
     return s, q - s**2
 
 
+# --- checked_all_reduce, notebook 10 --------------------------------------------------------------
+
+
 def reduce_unchecked(tensor):
     dist.all_reduce(tensor)
 
@@ -310,6 +325,9 @@ def reduce_asserting(tensor):
     dist.all_reduce(tensor)
 
 
+# --- bytes_per_rank, notebook 12 ------------------------------------------------------------------
+
+
 def bytes_with_buckets(n_params, world_size, strategy):
     return [
         x + (4 * n_params if strategy == "ddp" else 0)
@@ -346,6 +364,9 @@ def bytes_one_number(n_params, world_size, strategy):
     return solutions.bytes_per_rank(n_params, world_size, strategy)[0]
 
 
+# --- assign_buckets, notebook 07 ------------------------------------------------------------------
+
+
 def buckets_in_forward_order(param_sizes_bytes, cap_bytes, first_cap_bytes):
     last = len(param_sizes_bytes) - 1
     reversed_sizes = param_sizes_bytes[::-1]
@@ -368,6 +389,9 @@ def buckets_never_over_the_cap(param_sizes_bytes, cap_bytes, first_cap_bytes):
         buckets[-1].append(index)
         size += param_sizes_bytes[index]
     return buckets
+
+
+# --- shard_indices, notebook 06 -------------------------------------------------------------------
 
 
 def shards_by_rank_only(n_samples, rank, world_size, worker_id, num_workers):
@@ -408,6 +432,9 @@ def shards_a_count(n_samples, rank, world_size, worker_id, num_workers):
     return len(solutions.shard_indices(n_samples, rank, world_size, worker_id, num_workers))
 
 
+# --- serial_fraction, notebook 08 -----------------------------------------------------------------
+
+
 def serial_by_amdahl_always(kind, n, step_time_1, step_time_n):
     """Weak scaling read as strong: the time ratio and Amdahl's law for both kinds."""
     return (n * step_time_n / step_time_1 - 1) / (n - 1)
@@ -435,6 +462,9 @@ def serial_clipped(kind, n, step_time_1, step_time_n):
 
 def serial_speedup(kind, n, step_time_1, step_time_n):
     return step_time_1 / step_time_n * (n if kind == "weak" else 1)
+
+
+# --- find_drifted, notebook 11 --------------------------------------------------------------------
 
 
 def _flat(model):
@@ -492,6 +522,9 @@ def drifted_broadcast_in_place(model, atol=1e-6):
     return [rank for rank, flag in enumerate(flags) if flag]
 
 
+# --- merge_partials, notebook 14 ------------------------------------------------------------------
+
+
 def merge_average(out_a, lse_a, out_b, lse_b):
     return (out_a + out_b) / 2, torch.logaddexp(lse_a, lse_b)
 
@@ -523,6 +556,9 @@ def merge_without_inf_guard(out_a, lse_a, out_b, lse_b):
 
 def merge_returns_out_only(out_a, lse_a, out_b, lse_b):
     return solutions.merge_partials(out_a, lse_a, out_b, lse_b)[0]
+
+
+# --- tensor_parallel_pair, notebook 13 ------------------------------------------------------------
 
 
 class _AllReduceBoth(torch.autograd.Function):
@@ -581,7 +617,7 @@ def pair_plain_all_reduce(x):
     return x
 
 
-# --- notebook 16: the dispatch plan of expert parallelism -------------------------------------
+# --- expert_dispatch, notebook 16 -----------------------------------------------------------------
 
 
 def _kept_sorted(experts, keep):
@@ -629,7 +665,7 @@ def plan_without_minlength(experts, keep, experts_per_rank, world):
     return order, per_expert, send
 
 
-# --- notebook 15: pipeline parallelism ------------------------------------------------------
+# --- gpipe_step, notebook 15 ----------------------------------------------------------------------
 
 
 def _gpipe_variant(stage_module, micro_batches, targets, loss_fn, *, scale=1.0, zero=False):
