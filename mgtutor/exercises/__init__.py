@@ -26,39 +26,53 @@ The checkers: :func:`check_ring_average` (notebook 02), :func:`check_exact_accur
 :func:`check_merge_partials` (14), :func:`check_gpipe_step` (15),
 :func:`check_expert_dispatch` (16).
 
-Where things are: the checkers in :mod:`.data_parallel` and :mod:`.model_parallel`, what each
-exercise is in :mod:`.catalogue`, its cases (run inside the ranks) in :mod:`.cases`, the
-machinery that launches and judges them in :mod:`.checking`, and the reference solutions in
-:mod:`.solutions`.
+Where things are: one module per exercise, named by its key (:mod:`.ring_average`,
+:mod:`.accumulate`, ... :mod:`.expert_dispatch`), each holding its ``check_*`` function, its
+cases, what every rank runs for them, the diagnosis of each failure, and its ``EXERCISE``
+record (hints, and a pointer to its reference solution in :mod:`.solutions`). What they share:
+:mod:`.checking` (the notebook's side: recognize a stub, launch, judge), :mod:`.rank_side`
+(inside a rank: call the learner's function, compare, report) and :mod:`.result` (the
+:class:`CheckResult` a notebook shows).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mgtutor.exercises import checking as _checking
-from mgtutor.exercises.cases import TrainingJob
-from mgtutor.exercises.catalogue import EXERCISES as _EXERCISES
-from mgtutor.exercises.checking import CheckResult, _Exercise
-from mgtutor.exercises.data_parallel import (
-    check_accumulation,
-    check_buckets,
-    check_bytes_per_rank,
-    check_checked_all_reduce,
-    check_exact_accuracy,
-    check_find_drifted,
-    check_global_batch_stats,
-    check_ring_average,
-    check_serial_fraction,
-    check_shard_indices,
-    check_snapshot,
+from mgtutor.exercises import (
+    accumulate,
+    assign_buckets,
+    bytes_per_rank,
+    checked_all_reduce,
+    exact_accuracy,
+    expert_dispatch,
+    find_drifted,
+    global_batch_stats,
+    gpipe_step,
+    merge_partials,
+    ring_average,
+    serial_fraction,
+    shard_indices,
+    snapshot,
+    tensor_parallel_pair,
 )
-from mgtutor.exercises.model_parallel import (
-    check_expert_dispatch,
-    check_gpipe_step,
-    check_merge_partials,
-    check_tensor_parallel_pair,
-)
+from mgtutor.exercises.accumulate import check_accumulation
+from mgtutor.exercises.assign_buckets import check_buckets
+from mgtutor.exercises.bytes_per_rank import check_bytes_per_rank
+from mgtutor.exercises.checked_all_reduce import check_checked_all_reduce
+from mgtutor.exercises.checking import Exercise, check_all
+from mgtutor.exercises.exact_accuracy import check_exact_accuracy
+from mgtutor.exercises.expert_dispatch import check_expert_dispatch
+from mgtutor.exercises.find_drifted import check_find_drifted
+from mgtutor.exercises.global_batch_stats import check_global_batch_stats
+from mgtutor.exercises.gpipe_step import check_gpipe_step
+from mgtutor.exercises.merge_partials import check_merge_partials
+from mgtutor.exercises.result import CheckResult
+from mgtutor.exercises.ring_average import check_ring_average
+from mgtutor.exercises.serial_fraction import check_serial_fraction
+from mgtutor.exercises.shard_indices import check_shard_indices
+from mgtutor.exercises.snapshot import TrainingJob, check_snapshot
+from mgtutor.exercises.tensor_parallel_pair import check_tensor_parallel_pair
 
 __all__ = [
     "CheckResult",
@@ -80,9 +94,31 @@ __all__ = [
 ]
 __all__ += ["check_expert_dispatch"]
 
+#: Every exercise by its key (the name of its module): ``EXERCISES["accumulate"]``.
+EXERCISES: dict[str, Exercise] = {
+    module.EXERCISE.key: module.EXERCISE
+    for module in (
+        ring_average,
+        exact_accuracy,
+        global_batch_stats,
+        accumulate,
+        shard_indices,
+        assign_buckets,
+        serial_fraction,
+        snapshot,
+        checked_all_reduce,
+        find_drifted,
+        bytes_per_rank,
+        tensor_parallel_pair,
+        merge_partials,
+        gpipe_step,
+        expert_dispatch,
+    )
+}
+
 
 def _check(
-    exercise: _Exercise | str,
+    exercise: Exercise | str,
     candidates: Sequence[tuple],
     timeout: float = 20.0,
     label: str = "",
@@ -90,10 +126,10 @@ def _check(
     """Run several candidates through one exercise, in as few launches as possible.
 
     The tests use this to check many wrong answers for the price of one launch; see
-    :func:`mgtutor.exercises.checking._check`.
+    :func:`mgtutor.exercises.checking.check_all`.
 
     Args:
-        exercise: the exercise, or its key in :data:`.catalogue.EXERCISES`
+        exercise: the exercise, or its key in :data:`EXERCISES`
             ("ring_average", "gpipe_step", ...).
         candidates: tuples of the functions the exercise takes.
         timeout: seconds per launch, from when every rank started.
@@ -103,5 +139,5 @@ def _check(
         One :class:`CheckResult` per candidate, in order.
     """
     if isinstance(exercise, str):
-        exercise = _EXERCISES[exercise]
-    return _checking._check(exercise, candidates, timeout, label)
+        exercise = EXERCISES[exercise]
+    return check_all(exercise, candidates, timeout, label)

@@ -1,17 +1,16 @@
-"""How every exercise is checked: the launch, the verdict, and the result a notebook shows.
+"""How every exercise is checked, on the notebook's side: the launch, the verdict, the result.
 
-:mod:`mgtutor.exercises` holds the checkers and the table of exercises; each checker hands its
-:class:`_Exercise` and the learner's functions to :func:`_check_one`. That recognizes a stub
-still raising ``NotImplementedError`` (and then runs the reference solution from
-:mod:`mgtutor.exercises.solutions` instead), launches the candidates on gloo ranks through
-:func:`mgtutor.exercises.cases.run_candidates`, and turns what came back (every rank's findings,
-an exception in the learner's code, a hang, a dead rank) into a :class:`CheckResult`.
+Each exercise's module (:mod:`mgtutor.exercises.ring_average`, ...) describes itself in an
+:class:`Exercise` and hands it, with the learner's functions, to :func:`check`. That recognizes
+a stub still raising ``NotImplementedError`` (and then runs the exercise's reference solution,
+from :mod:`mgtutor.exercises.solutions`, instead), launches the candidates on gloo ranks through
+:func:`mgtutor.exercises.rank_side.run_candidates`, and turns what came back (every rank's
+findings, an exception in the learner's code, a hang, a dead rank) into a :class:`CheckResult`.
 """
 
 from __future__ import annotations
 
 import ast
-import html
 import inspect
 import os
 import shutil
@@ -22,97 +21,59 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mgtutor.errors import WorkerError, WorkerTimeout
-from mgtutor.exercises import cases
-from mgtutor.exercises.cases import LearnerFailed, run_candidates
+from mgtutor.exercises import rank_side
+from mgtutor.exercises.rank_side import Finding, LearnerFailed, run_candidates
+from mgtutor.exercises.result import FAILED, NOT_ATTEMPTED, PASSED, CheckResult
 
-__all__ = ["FAILED", "NOT_ATTEMPTED", "PASSED", "CheckResult"]
-
-PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
+__all__ = ["Exercise", "check", "check_all"]
 
 
 @dataclass(frozen=True)
-class CheckResult:
-    """What a checker found: shown as a coloured box in Jupyter, as text elsewhere.
+class Exercise:
+    """One exercise: what the learner writes, how its cases run, and how a failure is told.
 
     Attributes:
-        exercise: the name of the function checked (``"ring_average"``).
-        status: ``"passed"``, ``"failed"`` or ``"not attempted"`` (the function is still the
-            stub that raises ``NotImplementedError``).
-        message: what happened: the cases passed, or the first case that failed and what came
-            out there.
-        hint: what to look at when it failed ("" otherwise).
-        cases: the cases the checker runs.
-        world_size: the number of ranks it ran on.
-        reference: for ``"not attempted"``, the result of mgtutor's reference solution run
-            through the same checks.
+        key: its name, that of its module (``"ring_average"``) and of its tests' rows.
+        name: the learner's function(s), as the notebook names them.
+        functions: each function's name, in the order the checker takes them.
+        world_size: the ranks its cases run on.
+        cases: one line per case, shown with the result.
+        run: what each rank runs for one candidate (its module's ``run``): the cases, and a
+            finding for each.
+        reference: mgtutor's solution, from :mod:`mgtutor.exercises.solutions`, one function
+            per name in ``functions``; run when the learner's is still the stub.
+        hang_hint: the hint when the ranks had to be stopped.
+        raise_hints: the hint when the learner's function raised, by the exception's type name.
+        needs_folder: whether its cases write files (into a scratch folder, removed after).
     """
 
-    exercise: str
-    status: str
-    message: str
-    hint: str = ""
-    cases: tuple[str, ...] = ()
-    world_size: int = 2
-    reference: CheckResult | None = field(default=None, repr=False)
-
-    @property
-    def passed(self) -> bool:
-        """Whether the function passed every case."""
-        return self.status == PASSED
-
-    def __repr__(self) -> str:
-        lines = [f"{self.exercise}: {self.status.upper()}", *_indent(self.message)]
-        if self.hint:
-            lines += _indent(f"Hint: {self.hint}")
-        if self.reference is not None:
-            lines += _indent(repr(self.reference))
-        return "\n".join(lines)
-
-    __str__ = __repr__
-
-    def _repr_html_(self) -> str:
-        colour = {PASSED: "#2e7d32", FAILED: "#c62828"}.get(self.status, "#757575")
-        parts = [
-            f'<div style="border-left: 4px solid {colour}; padding: 2px 10px; margin: 4px 0">',
-            f'<b style="color: {colour}">{html.escape(self.exercise)}: '
-            f"{html.escape(self.status.upper())}</b>",
-            f'<pre style="white-space: pre-wrap; margin: 4px 0">{html.escape(self.message)}</pre>',
-        ]
-        if self.hint:
-            parts.append(f"<p><i>Hint:</i> {html.escape(self.hint)}</p>")
-        if self.cases and self.reference is None:
-            items = "".join(f"<li>{html.escape(case)}</li>" for case in self.cases)
-            parts.append(
-                "<details><summary>the cases"
-                + (f", on {self.world_size} ranks" if self.world_size > 1 else "")
-                + "</summary>"
-                f"<ul>{items}</ul></details>"
-            )
-        if self.reference is not None:
-            parts.append(self.reference._repr_html_())
-        parts.append("</div>")
-        return "".join(parts)
-
-
-def _indent(text: str) -> list[str]:
-    return ["  " + line for line in text.splitlines()]
-
-
-@dataclass(frozen=True)
-class _Exercise:
-    """One exercise: how to run it (``key``, in ``EXERCISE_RUNNERS``) and how to report it."""
-
-    key: str  # its runner in mgtutor.exercises.cases.EXERCISE_RUNNERS
-    name: str  # the learner's function(s), as the notebook names them
+    key: str
+    name: str
     functions: tuple[str, ...]
     world_size: int
     cases: tuple[str, ...]
+    run: Callable[[bytes, int, str | None], list[Finding]]
+    reference: tuple[Callable[..., Any], ...]
     hang_hint: str
-    raise_hints: dict[str, str] = field(default_factory=dict)  # by the exception's type name
+    raise_hints: dict[str, str] = field(default_factory=dict)
     needs_folder: bool = False
 
 
-def _check_one(exercise: _Exercise, functions: tuple, timeout: float) -> CheckResult:
+def check(exercise: Exercise, functions: tuple, timeout: float) -> CheckResult:
+    """What the public ``check_*`` functions do: check the learner's functions, or the reference.
+
+    Args:
+        exercise: the exercise.
+        functions: the learner's functions, in the order of ``exercise.functions``.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`; for a stub, ``"not attempted"`` with the reference's result.
+
+    Raises:
+        TypeError: one of ``functions`` is not a function.
+        RuntimeError: the reference solution failed its own check (a bug in mgtutor).
+    """
     for name, fn in zip(exercise.functions, functions):
         if not callable(fn):
             raise TypeError(
@@ -123,17 +84,14 @@ def _check_one(exercise: _Exercise, functions: tuple, timeout: float) -> CheckRe
     if stubs:
         verb = "raises" if len(stubs) == 1 else "raise"
         return _not_attempted(exercise, f"{' and '.join(stubs)} still {verb} NotImplementedError")
-    (result,) = _check(exercise, [functions], timeout)
+    (result,) = check_all(exercise, [functions], timeout)
     if result.status == NOT_ATTEMPTED:
         return _not_attempted(exercise, result.message)
     return result
 
 
-def _not_attempted(exercise: _Exercise, why: str) -> CheckResult:
-    from mgtutor.exercises import solutions as _solutions
-
-    reference = tuple(getattr(_solutions, name) for name in exercise.functions)
-    (result,) = _check(exercise, [reference], timeout=120.0, label="reference solution")
+def _not_attempted(exercise: Exercise, why: str) -> CheckResult:
+    (result,) = check_all(exercise, [exercise.reference], timeout=120.0, label="reference solution")
     if not result.passed:
         raise RuntimeError(
             f"mgtutor's reference solution failed its own check; this is a bug in mgtutor, "
@@ -168,8 +126,8 @@ def _is_stub(fn: Callable[..., Any]) -> bool:
     return isinstance(raised, ast.Name) and raised.id == "NotImplementedError"
 
 
-def _check(
-    exercise: _Exercise,
+def check_all(
+    exercise: Exercise,
     candidates: Sequence[tuple],
     timeout: float = 20.0,
     label: str = "",
@@ -218,7 +176,7 @@ def _check(
         try:
             run = launch(
                 run_candidates,
-                exercise.key,
+                exercise.run,
                 payloads,
                 folder,
                 world_size=exercise.world_size,
@@ -228,7 +186,7 @@ def _check(
         except WorkerTimeout as exc:
             if len(pending) > 1:
                 for i in pending:
-                    (results[i],) = _check(exercise, [candidates[i]], timeout, label)
+                    (results[i],) = check_all(exercise, [candidates[i]], timeout, label)
                 break
             results[pending[0]] = _hung(name, exercise, exc, timeout)
             break
@@ -240,7 +198,7 @@ def _check(
                 continue  # the others again, without it
             if len(pending) > 1:
                 for i in pending:
-                    (results[i],) = _check(exercise, [candidates[i]], timeout, label)
+                    (results[i],) = check_all(exercise, [candidates[i]], timeout, label)
                 break
             results[pending[0]] = _crashed(name, exercise, exc)
             break
@@ -262,7 +220,7 @@ def _on_ranks(world_size: int) -> str:
     return f" on every one of the {world_size} ranks" if world_size > 1 else ""
 
 
-def _verdict(name: str, exercise: _Exercise, findings: list[list[dict]]) -> CheckResult:
+def _verdict(name: str, exercise: Exercise, findings: list[list[dict]]) -> CheckResult:
     """Passed, or the first case that went wrong, on the rank whose finding says most."""
     for number in range(max(len(rank_findings) for rank_findings in findings)):
         failing = [
@@ -297,7 +255,7 @@ def _learner_failure(exc: WorkerError) -> LearnerFailed | None:
     return LearnerFailed.parse(exc.exc_message or "") or LearnerFailed.parse(str(exc))
 
 
-def _raised(name: str, exercise: _Exercise, failure: LearnerFailed) -> CheckResult:
+def _raised(name: str, exercise: Exercise, failure: LearnerFailed) -> CheckResult:
     common = {"cases": exercise.cases, "world_size": exercise.world_size}
     where = f"Case {failure.case!r}, rank {failure.rank}"
     if failure.exc_type == "NotImplementedError":
@@ -320,20 +278,23 @@ def _raised(name: str, exercise: _Exercise, failure: LearnerFailed) -> CheckResu
     )
 
 
-# Where the cases live: a rank's stack below their _call of the learner's function is the learner's.
-_CASES_DIR = os.path.dirname(os.path.abspath(cases.__file__)) + os.sep
+# In a rank's stack, the frames below this file's call_learner are the learner's.
+_CALL_FILE = os.path.abspath(rank_side.__file__)
 
 
-def _hung(name: str, exercise: _Exercise, exc: WorkerTimeout, timeout: float) -> CheckResult:
+def _hung(name: str, exercise: Exercise, exc: WorkerTimeout, timeout: float) -> CheckResult:
     lines = [
         f"Did not finish within {timeout:g} s; rank(s) {exc.running} were still running and "
         f"were stopped."
     ]
     for rank in exc.running:
         stack = (exc.stacks.get(rank) or "").splitlines()
-        # The frames below the checker's call of the learner's function are the learner's.
         inside = next(
-            (i for i, line in enumerate(stack) if _CASES_DIR in line and "_call" in line),
+            (
+                i
+                for i, line in enumerate(stack)
+                if _CALL_FILE in line and line.rstrip().endswith(" call_learner")
+            ),
             None,
         )
         if inside is not None:
@@ -360,7 +321,7 @@ def _hung(name: str, exercise: _Exercise, exc: WorkerTimeout, timeout: float) ->
     )
 
 
-def _crashed(name: str, exercise: _Exercise, exc: WorkerError) -> CheckResult:
+def _crashed(name: str, exercise: Exercise, exc: WorkerError) -> CheckResult:
     return CheckResult(
         name,
         FAILED,

@@ -16,7 +16,6 @@ import pytest
 import mgtutor
 import mgtutor.launcher.magic
 from mgtutor.errors import WorkerTimeout
-from mgtutor.exercises import checking as _checking
 from mgtutor.launcher import _report, _send
 from tests.helpers import worker_children
 
@@ -180,33 +179,6 @@ _DUMP = b"""Current thread 0x00007f0000000001 (most recent call first):
 def test_rank_stacks_are_in_pythons_order_innermost_last() -> None:
     stack = _report.format_stack(_DUMP, 0x7F0000000001).splitlines()
     assert [line.split(" in ")[-1] for line in stack] == ["work", "inner", "wrapper", "all_reduce"]
-
-
-def test_a_checker_shows_the_learners_frames_innermost_last() -> None:
-    stack = "\n".join(
-        [
-            f'  File "{_checking._CASES_DIR}ring.py", line 20, in _call',
-            "    return fn(tensor)",
-            '  File "/notebook/cell.py", line 9, in ring_average',
-            "    dist.recv(buf, src)",
-            '  File "/torch/distributed/distributed_c10d.py", line 2600, in recv',
-            "    work.wait()",
-        ]
-    )
-    error = WorkerTimeout("hung", running=[0], stacks={0: stack})
-    exercise = _checking._Exercise(
-        key="ring",
-        name="ring_average",
-        functions=("ring_average",),
-        world_size=2,
-        cases=("one",),
-        hang_hint="send and recv must pair up",
-    )
-    shown = _checking._hung("check_ring_average", exercise, error, 5.0).message
-    lines = shown.splitlines()
-    where = lines.index("Where rank 0 was waiting (most recent call last):")
-    assert "ring_average" in lines[where + 1] and "in recv" in lines[where + 3], lines
-    assert "_call" not in shown.split("most recent call last")[1], shown
 
 
 def test_a_bad_argument_is_shown_message_first_and_still_a_value_or_type_error(

@@ -10,16 +10,44 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from mgtutor.exercises.cases._common import (
+from mgtutor.exercises import solutions
+from mgtutor.exercises.checking import Exercise, check
+from mgtutor.exercises.rank_side import (
     Finding,
-    _call,
-    _everyone_ok,
-    _finding,
+    call_learner,
+    everyone_ok,
+    make_finding,
 )
+from mgtutor.exercises.result import CheckResult
 
-__all__ = ["DRIFT_CASES", "run"]
+__all__ = ["CASES", "EXERCISE", "check_find_drifted", "run"]
 
 ATOL = 1e-6  # the tolerance the exercise states
+
+
+def check_find_drifted(find_drifted: Callable[..., Any], *, timeout: float = 20.0) -> CheckResult:
+    """Check a detector of replicas that drifted from rank 0's, as in notebook 11's section 4.
+
+    The exercise: write ``find_drifted(model, atol=1e-6) -> list[int]``. It is called on every
+    rank with that rank's replica and returns, on every rank, the sorted list of the ranks whose
+    parameters differ from rank 0's by more than ``atol`` in some element (rank 0 never is in
+    it), without changing the model.
+
+    The checker runs it on 3 ranks, each with notebook 11's small model changed on some
+    ranks: none, one weight on rank 2, rank 1's last bits (within the tolerance), two weights
+    swapped on rank 1 (a checksum cannot see it) and a bias on rank 0.
+
+    Args:
+        find_drifted: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``find_drifted`` is not a function.
+    """
+    return check(EXERCISE, (find_drifted,), timeout)
 
 
 def _nudge_rank_2(model: torch.nn.Module, rank: int) -> None:
@@ -44,7 +72,7 @@ def _nudge_rank_0(model: torch.nn.Module, rank: int) -> None:
         list(model.parameters())[-1][0] += 0.01
 
 
-DRIFT_CASES: tuple[tuple[str, Callable[[torch.nn.Module, int], None], list[int]], ...] = (
+CASES: tuple[tuple[str, Callable[[torch.nn.Module, int], None], list[int]], ...] = (
     ("the 3 replicas agree", lambda model, rank: None, []),
     ("rank 2 changed one weight by 0.01, outside the optimizer", _nudge_rank_2, [2]),
     ("rank 1's last bias differs in the last bit (6e-08 at most)", _last_bit_on_rank_1, []),
@@ -65,15 +93,15 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     rank, world = dist.get_rank(), dist.get_world_size()
     (fn,) = cloudpickle.loads(payload)
     findings = []
-    for case, change, truth in DRIFT_CASES:
+    for case, change, truth in CASES:
         model = _replica(change, rank)
         before = [p.detach().clone() for p in model.parameters()]
-        returned = _call(index, case, fn, model)
+        returned = call_learner(index, case, fn, model)
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, _as_ranks(returned))
         changed = any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
         findings.append(_diagnose_drift(case, everyone, truth, rank, changed))
-        if not _everyone_ok(findings[-1]):
+        if not everyone_ok(findings[-1]):
             break
     return findings
 
@@ -92,7 +120,7 @@ def _diagnose_drift(
 ) -> Finding:
     mine = everyone[rank]
     if changed:
-        return _finding(
+        return make_finding(
             case,
             "the model's parameters changed during the call",
             "find the drift without repairing it: dist.broadcast writes rank 0's values into "
@@ -100,11 +128,11 @@ def _diagnose_drift(
             "parameter itself",
         )
     if mine == truth:
-        return _finding(case)
+        return make_finding(case)
     detail = f"returned {mine}, expected {truth}"
     if isinstance(mine, str):
         right_on_0 = everyone[0] == truth
-        return _finding(
+        return make_finding(
             case,
             detail + (" (rank 0 returned the right list)" if right_on_0 else ""),
             "every rank must return the list, not only rank 0: every rank then takes the same "
@@ -115,14 +143,14 @@ def _diagnose_drift(
         )
     world = len(everyone)
     if all(everyone[r] == ([r] if r in truth else []) for r in range(world)):
-        return _finding(
+        return make_finding(
             case,
             f"{detail}: each rank reported only itself",
             "each rank found out about itself only: share the verdicts (one all_reduce of a "
             "0/1 flag per rank, or all_gather_object) so that every rank returns the same list",
         )
     if 0 in mine:
-        return _finding(
+        return make_finding(
             case,
             f"{detail}: rank 0 is in the list",
             "rank 0 is the reference (DDP copied its parameters to the others at the start, and "
@@ -130,7 +158,7 @@ def _diagnose_drift(
             "rank 0's parameters",
         )
     if not truth:
-        return _finding(
+        return make_finding(
             case,
             f"{detail}: the differences here are at most 6e-08, within the tolerance {ATOL:g}",
             "compare with a tolerance, torch.allclose(p, p0, rtol=0, atol=atol), not with ==: "
@@ -138,15 +166,28 @@ def _diagnose_drift(
             "of summing) without having drifted",
         )
     if case.startswith("rank 1 swapped"):
-        return _finding(
+        return make_finding(
             case,
             f"{detail}: rank 1's parameters have rank 0's sum and norm, in another order",
             "a checksum (a sum, a norm) hides changes that cancel out; compare element by "
             "element with rank 0's parameters, broadcast from rank 0 into a copy",
         )
-    return _finding(
+    return make_finding(
         case,
         detail,
         "broadcast rank 0's parameters (into a copy), compare each rank's with them, and share "
         "the verdicts so that every rank returns the same list",
     )
+
+
+EXERCISE = Exercise(
+    key="find_drifted",
+    name="find_drifted",
+    functions=("find_drifted",),
+    world_size=3,
+    cases=tuple(case for case, *_ in CASES),
+    run=run,
+    reference=(solutions.find_drifted,),
+    hang_hint="a collective that not every rank calls waits forever: call the same collectives on "
+    "every rank, rank 0 included, whatever its own verdict",
+)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -9,17 +10,20 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-from mgtutor.exercises.cases._common import (
+from mgtutor.exercises import solutions
+from mgtutor.exercises.checking import Exercise, check
+from mgtutor.exercises.rank_side import (
     Finding,
-    _as_number,
-    _call,
-    _everyone_ok,
-    _finding,
+    as_number,
+    call_learner,
+    everyone_ok,
+    make_finding,
 )
+from mgtutor.exercises.result import CheckResult
 
-__all__ = ["ACCURACY_CASES", "run"]
+__all__ = ["CASES", "EXERCISE", "check_exact_accuracy", "run"]
 
-ACCURACY_CASES = (  # label, samples, shuffle, drop_last
+CASES = (  # label, samples, shuffle, drop_last
     ("11 samples, shuffle=False: the sampler repeats 1", 11, False, False),
     ("13 samples, shuffle=True: the sampler repeats 1", 13, True, False),
     ("12 samples: no repeat", 12, True, False),
@@ -28,11 +32,38 @@ ACCURACY_CASES = (  # label, samples, shuffle, drop_last
 )
 
 
+def check_exact_accuracy(
+    exact_accuracy: Callable[..., Any], *, timeout: float = 20.0
+) -> CheckResult:
+    """Check an exact distributed accuracy that does not count the sampler's padded repeats.
+
+    The exercise: write ``exact_accuracy(correct, sampler) -> float``. ``sampler`` is this
+    rank's ``DistributedSampler`` (padded, as by default, or with ``drop_last=True``;
+    shuffled or not), and ``correct`` a bool tensor with one entry per index it gives this
+    rank, in its order: whether the model got that sample right. Return, on every rank, the
+    accuracy over the samples the sampler hands out, each counted once.
+
+    The checker runs it on 2 ranks, with datasets whose size does not divide by 2, one that
+    does, one where a rank holds nothing but the repeat, and ``drop_last=True``.
+
+    Args:
+        exact_accuracy: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``exact_accuracy`` is not a function.
+    """
+    return check(EXERCISE, (exact_accuracy,), timeout)
+
+
 def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     rank, world = dist.get_rank(), dist.get_world_size()
     (fn,) = cloudpickle.loads(payload)
     findings = []
-    for case, n, shuffle, drop_last in ACCURACY_CASES:
+    for case, n, shuffle, drop_last in CASES:
         options = {"shuffle": shuffle, "seed": 0, "drop_last": drop_last}
         shards = [
             list(DistributedSampler(range(n), num_replicas=world, rank=r, **options))
@@ -42,9 +73,9 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
         truth = torch.tensor([i % 3 == 0 for i in range(n)])  # the figures below all differ
         truth[padded[n:]] = True  # the repeats are right: counting them raises the accuracy
         sampler = DistributedSampler(range(n), **options)
-        got = _call(index, case, fn, truth[list(sampler)].clone(), sampler)
+        got = call_learner(index, case, fn, truth[list(sampler)].clone(), sampler)
         findings.append(_diagnose_accuracy(case, got, truth, shards, padded, n, rank))
-        if not _everyone_ok(findings[-1]):
+        if not everyone_ok(findings[-1]):
             break
     return findings
 
@@ -58,7 +89,7 @@ def _diagnose_accuracy(
     n: int,
     rank: int,
 ) -> Finding:
-    value = _as_number(
+    value = as_number(
         case, got, "return one number, the same on every rank (a Python float, or tensor.item())"
     )
     if isinstance(value, dict):
@@ -70,7 +101,7 @@ def _diagnose_accuracy(
     # float32 counts are exact; only the final division may round (about 1e-8). Miscounts on
     # these few samples are off by far more.
     if abs(value - exact) < 1e-6:
-        return _finding(case)
+        return make_finding(case)
     # Rank r's i-th index sits at position r + i * world of the padded order; from n on: repeats.
     real = [[i for p, i in enumerate(shard) if r + p * world < n] for r, shard in enumerate(shards)]
     padded_correct = int(truth[padded].sum())
@@ -98,7 +129,24 @@ def _diagnose_accuracy(
         "numbers of real samples, so sum the counts over the ranks and divide once",
     }
     if match is not None:
-        return _finding(case, f"{detail}; that is {match!r}", hints[match])
-    return _finding(
+        return make_finding(case, f"{detail}; that is {match!r}", hints[match])
+    return make_finding(
         case, detail, "count each index the sampler hands out once, over all ranks, and divide"
     )
+
+
+EXERCISE = Exercise(
+    key="exact_accuracy",
+    name="exact_accuracy",
+    functions=("exact_accuracy",),
+    world_size=2,
+    cases=tuple(case for case, *_ in CASES),
+    run=run,
+    reference=(solutions.exact_accuracy,),
+    hang_hint="a collective that not every rank calls waits forever: call it on every rank, even "
+    "one with no real sample, outside any if-block",
+    raise_hints={
+        "ZeroDivisionError": "a rank can hold no real sample at all (1 sample on 2 ranks): "
+        "sum the correct and the sample counts over the ranks first, then divide once",
+    },
+)

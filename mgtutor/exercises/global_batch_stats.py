@@ -2,26 +2,57 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
-from mgtutor.exercises.cases._common import (
+from mgtutor.exercises import solutions
+from mgtutor.exercises.checking import Exercise, check
+from mgtutor.exercises.rank_side import (
     Finding,
-    _call,
-    _everyone_ok,
-    _finding,
+    call_learner,
+    everyone_ok,
+    make_finding,
 )
+from mgtutor.exercises.result import CheckResult
 
-__all__ = ["BATCH_STATS_CASES", "run"]
+__all__ = ["CASES", "EXERCISE", "check_global_batch_stats", "run"]
 
-BATCH_STATS_CASES = (  # label, samples on each rank, one sample's shape (C, ...)
+CASES = (  # label, samples on each rank, one sample's shape (C, ...)
     ("4 and 4 samples of 3 features, (N, 3)", (4, 4), (3,)),
     ("6 and 2 images, (N, 2, 3, 3)", (6, 2), (2, 3, 3)),
     ("5 samples and 1 sample of 4 features, (N, 4)", (5, 1), (4,)),
 )
+
+
+def check_global_batch_stats(
+    global_batch_stats: Callable[..., Any], *, timeout: float = 20.0
+) -> CheckResult:
+    """Check the per-channel statistics SyncBatchNorm normalizes with, over the global batch.
+
+    The exercise: write ``global_batch_stats(x) -> (mean, var)``. ``x`` is this rank's part of
+    the batch, ``(N, C)`` or ``(N, C, H, W)``; N may differ between ranks (and be 1). Return, on
+    every rank, two tensors of shape ``(C,)``: each channel's mean and biased variance (divided
+    by the count, as BatchNorm normalizes) over every value of the global batch, all ranks'
+    samples together.
+
+    The checker runs it on 2 ranks with equal batches, uneven ones and a rank holding a single
+    sample, and compares with ``torch.var_mean`` over the ranks' inputs concatenated.
+
+    Args:
+        global_batch_stats: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``global_batch_stats`` is not a function.
+    """
+    return check(EXERCISE, (global_batch_stats,), timeout)
 
 
 def _stats_input(case: int, rank: int, n: int, shape: tuple[int, ...]) -> torch.Tensor:
@@ -42,12 +73,12 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     rank = dist.get_rank()
     (fn,) = cloudpickle.loads(payload)
     findings = []
-    for number, (case, counts, shape) in enumerate(BATCH_STATS_CASES):
+    for number, (case, counts, shape) in enumerate(CASES):
         inputs = [_stats_input(number, r, n, shape) for r, n in enumerate(counts)]
         x = inputs[rank].clone()
-        returned = _call(index, case, fn, x)
+        returned = call_learner(index, case, fn, x)
         findings.append(_diagnose_batch_stats(case, returned, inputs, rank))
-        if not _everyone_ok(findings[-1]):
+        if not everyone_ok(findings[-1]):
             break
     return findings
 
@@ -58,7 +89,7 @@ def _diagnose_batch_stats(
     channels = inputs[0].shape[1]
     mean, var, total = _channel_stats(torch.cat(inputs))
     if not (isinstance(returned, (tuple, list)) and len(returned) == 2):
-        return _finding(
+        return make_finding(
             case,
             f"returned {type(returned).__name__} {returned!r:.80}",
             f"return a pair (mean, var), each a tensor of {channels} values, one per channel",
@@ -67,7 +98,7 @@ def _diagnose_batch_stats(
     for what, value in zip(("mean", "var"), returned):
         if not isinstance(value, torch.Tensor) or value.shape != (channels,):
             shown = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            return _finding(
+            return make_finding(
                 case,
                 f"the {what} returned is {shown}, not a tensor of shape ({channels},)",
                 "reduce over every dimension but the channels' (dim 1): x.sum(dim=[0, 2, 3]) "
@@ -103,7 +134,7 @@ def _diagnose_batch_stats(
     }
     detail, hint = _compare_stat("mean", got[0], mean, wrong_means)
     if detail:
-        return _finding(case, detail, hint)
+        return make_finding(case, detail, hint)
     between = "they miss the spread between the ranks' means: the global variance is the "
     wrong_vars = {
         "this rank's own variance": (
@@ -142,7 +173,7 @@ def _diagnose_batch_stats(
         ),
     }
     if torch.isnan(got[1]).any():
-        return _finding(
+        return make_finding(
             case,
             "the variance holds NaN",
             "an unbiased variance divides by N - 1, which is 0 on a rank with a single sample: "
@@ -150,7 +181,7 @@ def _diagnose_batch_stats(
             "(sum of x² / N - mean²)",
         )
     detail, hint = _compare_stat("variance", got[1], var, wrong_vars)
-    return _finding(case, detail, hint)
+    return make_finding(case, detail, hint)
 
 
 def _compare_stat(
@@ -176,3 +207,20 @@ def _compare_stat(
         f"the {what} of each channel over every value of the global batch: all samples of all "
         f"ranks and all positions; check it against torch.var_mean on torch.cat of the ranks' x"
     )
+
+
+EXERCISE = Exercise(
+    key="global_batch_stats",
+    name="global_batch_stats",
+    functions=("global_batch_stats",),
+    world_size=2,
+    cases=tuple(case for case, *_ in CASES),
+    run=run,
+    reference=(solutions.global_batch_stats,),
+    hang_hint="a collective that not every rank calls waits forever: call the same all_reduce on "
+    "every rank, whatever its batch size",
+    raise_hints={
+        "ZeroDivisionError": "divide by the global count, summed over the ranks, never by "
+        "N - 1 of a single rank: a rank can hold a single sample",
+    },
+)

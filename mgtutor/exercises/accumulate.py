@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -11,22 +12,51 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mgtutor.exercises.cases._common import (
+from mgtutor.exercises import solutions
+from mgtutor.exercises.checking import Exercise, check
+from mgtutor.exercises.rank_side import (
     Finding,
-    _call,
-    _everyone_ok,
-    _finding,
-    _same,
+    call_learner,
+    everyone_ok,
+    make_finding,
+    same_tensors,
 )
+from mgtutor.exercises.result import CheckResult
 
-__all__ = ["ACCUMULATION_CASES", "run"]
+__all__ = ["CASES", "EXERCISE", "check_accumulation", "run"]
 
-ACCUMULATION_CASES = (  # label, micro-batches per rank, K
+CASES = (  # label, micro-batches per rank, K
     ("8 micro-batches, K=4: 2 optimizer steps", 8, 4),
     ("5 micro-batches, K=2: windows of 2, 2 and 1", 5, 2),
     ("3 micro-batches, K=1: a step after each", 3, 1),
 )
 _MICRO_BATCH, _FEATURES = 3, 5
+
+
+def check_accumulation(accumulate: Callable[..., Any], *, timeout: float = 20.0) -> CheckResult:
+    """Check gradient accumulation under DDP: the big batch's gradients, one all-reduce a step.
+
+    The exercise: write ``accumulate(model, optimizer, micro_batches, k) -> None``. ``model``
+    is DDP-wrapped, ``micro_batches`` a list of this rank's ``(x, y)`` pairs (all of one size),
+    the loss ``F.mse_loss(model(x), y)``. Train through the list in windows of ``k``
+    micro-batches (the last window may hold fewer) with one ``optimizer.step()`` and
+    ``optimizer.zero_grad()`` per window, so that each step uses the gradient of the window's
+    samples from all ranks as one batch, and so that DDP all-reduces once per step.
+
+    The checker runs it on 2 ranks, compares the gradients at every step with one process on
+    the global batch, and counts the all-reduces with a DDP communication hook.
+
+    Args:
+        accumulate: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``accumulate`` is not a function.
+    """
+    return check(EXERCISE, (accumulate,), timeout)
 
 
 class _RecordingSGD(torch.optim.SGD):
@@ -78,7 +108,7 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     rank, world = dist.get_rank(), dist.get_world_size()
     (fn,) = cloudpickle.loads(payload)
     findings = []
-    for number, (case, m, k) in enumerate(ACCUMULATION_CASES):
+    for number, (case, m, k) in enumerate(CASES):
         generator = torch.Generator().manual_seed(number)
         shape = (world, m, _MICRO_BATCH)
         xs = torch.randn(*shape, _FEATURES, dtype=torch.float64, generator=generator)
@@ -88,7 +118,7 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
         counts = _sync_counter(model)
         optimizer = _RecordingSGD(model.parameters(), lr=0.1)
         micro_batches = [(xs[rank, j], ys[rank, j]) for j in range(m)]
-        _call(index, case, fn, model, optimizer, micro_batches, k)
+        call_learner(index, case, fn, model, optimizer, micro_batches, k)
         weights = [p.detach().clone() for p in model.parameters()]
         findings.append(
             _diagnose_accumulation(
@@ -102,7 +132,7 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
                 reference_weights,
             )
         )
-        if not _everyone_ok(findings[-1]):
+        if not everyone_ok(findings[-1]):
             break
     return findings
 
@@ -130,7 +160,7 @@ def _diagnose_accumulation(
             hint = "step once per window of K micro-batches, not after every micro-batch"
         else:
             hint = "one optimizer.step() and optimizer.zero_grad() at the end of each window"
-        return _finding(case, detail, hint)
+        return make_finding(case, detail, hint)
     if syncs != windows:
         detail = f"DDP all-reduced the gradients {syncs} time(s) for {windows} optimizer steps"
         if syncs > windows:
@@ -143,30 +173,43 @@ def _diagnose_accumulation(
                 "the window's last micro-batch must run outside no_sync: its backward "
                 "all-reduces what accumulated; without it each rank steps with its own gradients"
             )
-        return _finding(case, detail, hint)
+        return make_finding(case, detail, hint)
     for w, (got, want) in enumerate(zip(recorded, reference_grads)):
-        if _same(got, want):
+        if same_tensors(got, want):
             continue
         detail = (
             f"at optimizer step {w + 1} (a window of {sizes[w]}) the gradients differ from one "
             f"process's on that window's global batch"
         )
-        if _same(got, [g * sizes[w] for g in want]):
+        if same_tensors(got, [g * sizes[w] for g in want]):
             detail += f": they are {sizes[w]} times too large"
             hint = "divide each micro-batch's loss by the number of micro-batches in its window"
-        elif sizes[w] < k and _same(got, [g * sizes[w] / k for g in want]):
+        elif sizes[w] < k and same_tensors(got, [g * sizes[w] / k for g in want]):
             detail += f": {sizes[w]}/{k} of what they should be"
             hint = f"the last window holds {sizes[w]} micro-batch(es), not K={k}: divide by that"
-        elif w > 0 and _same(got, [g + h for g, h in zip(want, recorded[w - 1])]):
+        elif w > 0 and same_tensors(got, [g + h for g, h in zip(want, recorded[w - 1])]):
             detail += ": they still hold the previous window's"
             hint = "call optimizer.zero_grad() after each optimizer.step()"
         else:
             hint = "average the window's micro-batch losses, with no_sync on all but the last"
-        return _finding(case, detail, hint)
-    if not _same(weights, reference_weights):
-        return _finding(
+        return make_finding(case, detail, hint)
+    if not same_tensors(weights, reference_weights):
+        return make_finding(
             case,
             "the gradients were right at every step, but the final weights differ",
             "change the weights only through optimizer.step(), once per window",
         )
-    return _finding(case)
+    return make_finding(case)
+
+
+EXERCISE = Exercise(
+    key="accumulate",
+    name="accumulate",
+    functions=("accumulate",),
+    world_size=2,
+    cases=tuple(case for case, *_ in CASES),
+    run=run,
+    reference=(solutions.accumulate,),
+    hang_hint="the ranks must run the same number of backward passes outside no_sync: each one "
+    "all-reduces, and a rank that skips one leaves the others waiting",
+)

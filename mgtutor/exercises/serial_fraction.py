@@ -3,26 +3,61 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 
-from mgtutor.exercises.cases._common import (
+from mgtutor.exercises import solutions
+from mgtutor.exercises.checking import Exercise, check
+from mgtutor.exercises.rank_side import (
     Finding,
-    _as_number,
-    _call,
-    _finding,
+    as_number,
+    call_learner,
+    make_finding,
 )
+from mgtutor.exercises.result import CheckResult
 
-__all__ = ["SCALING_CASES", "run"]
+__all__ = ["CASES", "EXERCISE", "check_serial_fraction", "run"]
 
-SCALING_CASES = (  # label, kind, ranks, seconds per step on 1 rank, on n ranks
+CASES = (  # label, kind, ranks, seconds per step on 1 rank, on n ranks
     ("strong, 4 ranks: 1.0 s per step on 1 rank, 0.325 s on 4", "strong", 4, 1.0, 0.325),
     ("weak, 4 ranks: 0.3 s per step on 1 rank, 0.4 s on 4", "weak", 4, 0.3, 0.4),
     ("strong, 8 ranks: 0.8 s on 1 rank, 0.1 s on 8 (ideal)", "strong", 8, 0.8, 0.1),
     ("strong, 2 ranks slower than 1: 0.10 s on 1 rank, 0.12 s on 2", "strong", 2, 0.10, 0.12),
     ("weak, 2 ranks faster than ideal: 0.50 s on 1 rank, 0.45 s on 2", "weak", 2, 0.50, 0.45),
 )
+
+
+def check_serial_fraction(
+    serial_fraction: Callable[..., Any], *, timeout: float = 20.0
+) -> CheckResult:
+    """Check the serial fraction that Amdahl's or Gustafson's law reads from a measured run.
+
+    The exercise: write ``serial_fraction(kind, n, step_time_1, step_time_n) -> float``.
+    ``kind`` is ``"strong"`` (a fixed global batch: each of the ``n`` ranks takes ``1/n`` of
+    it) or ``"weak"`` (a fixed per-rank batch: ``n`` ranks do ``n`` times the work of one);
+    ``step_time_1`` and ``step_time_n`` are the seconds per step on 1 rank and on ``n``.
+    Return the serial fraction ``s`` of the law that models that kind: Amdahl's,
+    ``S = 1 / (s + (1 - s) / n)``, for strong scaling; Gustafson's, ``S = n - s (n - 1)``, for
+    weak scaling, where ``S`` is the speedup (the scaled speedup for weak scaling). Do not clip
+    it: outside 0 to 1 it says that the law cannot describe the run.
+
+    The checker compares with both laws turned around on five runs, one of each kind that the
+    laws describe, an ideal one, one slower than a single rank and one faster than ideal. It
+    needs no process group, only one rank to run in.
+
+    Args:
+        serial_fraction: your function.
+        timeout: seconds the rank may take before it is stopped.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``serial_fraction`` is not a function.
+    """
+    return check(EXERCISE, (serial_fraction,), timeout)
 
 
 def _amdahl(speedup: float, n: int) -> float:
@@ -36,8 +71,8 @@ def _gustafson(speedup: float, n: int) -> float:
 def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     (fn,) = cloudpickle.loads(payload)
     findings = []
-    for case, kind, n, one, many in SCALING_CASES:
-        returned = _call(index, case, fn, kind, n, one, many)
+    for case, kind, n, one, many in CASES:
+        returned = call_learner(index, case, fn, kind, n, one, many)
         findings.append(_diagnose_scaling(case, returned, kind, n, one, many))
         if not findings[-1]["ok"]:
             break
@@ -47,7 +82,7 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
 def _diagnose_scaling(
     case: str, returned: Any, kind: str, n: int, one: float, many: float
 ) -> Finding:
-    value = _as_number(case, returned, "return one number, the serial fraction s")
+    value = as_number(case, returned, "return one number, the serial fraction s")
     if isinstance(value, dict):
         return value
     ratio = one / many  # the time ratio: strong scaling's speedup, not weak scaling's
@@ -56,7 +91,7 @@ def _diagnose_scaling(
     speedup = ratio if kind == "strong" else scaled
     truth = law(speedup, n)
     if math.isclose(value, truth, rel_tol=1e-9, abs_tol=1e-12):
-        return _finding(case)
+        return make_finding(case)
     law_name, other_name = ("Amdahl", "Gustafson") if kind == "strong" else ("Gustafson", "Amdahl")
     wrong = {
         f"{other_name}'s law, for {kind} scaling": (
@@ -114,10 +149,23 @@ def _diagnose_scaling(
     detail = f"returned {value:.6g}, expected {truth:.6g}"
     for name, (candidate, hint) in wrong.items():
         if math.isclose(value, candidate, rel_tol=1e-9, abs_tol=1e-12):
-            return _finding(case, f"{detail}: that is {name}", hint)
-    return _finding(
+            return make_finding(case, f"{detail}: that is {name}", hint)
+    return make_finding(
         case,
         detail,
         f"compute the {'' if kind == 'strong' else 'scaled '}speedup S from the two times, "
         f"then turn {law_name}'s law around for s",
     )
+
+
+EXERCISE = Exercise(
+    key="serial_fraction",
+    name="serial_fraction",
+    functions=("serial_fraction",),
+    world_size=1,
+    cases=tuple(case for case, *_ in CASES),
+    run=run,
+    reference=(solutions.serial_fraction,),
+    hang_hint="the function does not return: it needs no collective and no loop, only a "
+    "speedup and one of the two laws turned around",
+)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -10,16 +11,19 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mgtutor.exercises.cases._common import (
+from mgtutor.exercises import solutions
+from mgtutor.exercises.checking import Exercise, check
+from mgtutor.exercises.rank_side import (
     Finding,
-    _call,
-    _everyone_ok,
-    _finding,
+    call_learner,
+    everyone_ok,
+    make_finding,
 )
+from mgtutor.exercises.result import CheckResult
 
-__all__ = ["MERGE_CASES", "run"]
+__all__ = ["CASES", "EXERCISE", "check_merge_partials", "run"]
 
-MERGE_CASES = (  # label, keys in block a, keys in block b, score scale, which rows see nothing
+CASES = (  # label, keys in block a, keys in block b, score scale, which rows see nothing
     ("keys 0-5 and 6-11, scores near 1", 6, 6, 1.0, ""),
     ("3 keys and 9 keys, scores near 1", 3, 9, 1.0, ""),
     ("6 and 6 keys, scores near 1,000 (exp() overflows float64 above 709)", 6, 6, 400.0, ""),
@@ -34,6 +38,36 @@ MERGE_CASES = (  # label, keys in block a, keys in block b, score scale, which r
     ("your merge inside ring_attention on 2 ranks, causal, zig-zag split", 0, 0, 1.0, "ring"),
 )
 _HEADS, _ROWS, _DIM = 2, 4, 8
+
+
+def check_merge_partials(
+    merge_partials: Callable[..., Any], *, timeout: float = 20.0
+) -> CheckResult:
+    """Check the log-sum-exp merge of two partial attention results, as ring attention needs.
+
+    The exercise: write ``merge_partials(out_a, lse_a, out_b, lse_b) -> (out, lse)``.
+    ``out_a`` ``(..., L, D)`` is the attention of L queries over block a of the keys alone, and
+    ``lse_a`` ``(..., L)`` the log of each row's softmax normalizer over that block; the same for
+    block b. Return the attention over both blocks and its log-sum-exp, with no overflow for
+    large scores, and with rows that no key reached (``lse`` ``-inf`` in both) left at 0 and
+    ``-inf``.
+
+    The checker compares with attention over both blocks on five cases (blocks of equal and
+    unequal size, scores near 1,000, a fully masked block, rows that see nothing), then runs
+    :func:`mgtutor.parallel.context.ring_attention` with your merge on 2 ranks, causal, against
+    full attention.
+
+    Args:
+        merge_partials: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``merge_partials`` is not a function.
+    """
+    return check(EXERCISE, (merge_partials,), timeout)
 
 
 def _partials(number: int, n_a: int, n_b: int, scale: float, masked: str) -> dict[str, Any]:
@@ -59,15 +93,15 @@ def _partials(number: int, n_a: int, n_b: int, scale: float, masked: str) -> dic
 def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     (fn,) = cloudpickle.loads(payload)
     findings = []
-    for number, (case, n_a, n_b, scale, masked) in enumerate(MERGE_CASES):
+    for number, (case, n_a, n_b, scale, masked) in enumerate(CASES):
         if masked == "ring":
             findings.append(_ring_case(index, case, fn))
         else:
             case_data = _partials(number, n_a, n_b, scale, masked)
             inputs = [t.clone() for t in case_data["args"]]
-            returned = _call(index, case, fn, *inputs)
+            returned = call_learner(index, case, fn, *inputs)
             findings.append(_diagnose_merge(case, returned, case_data))
-        if not _everyone_ok(findings[-1]):
+        if not everyone_ok(findings[-1]):
             break
     return findings
 
@@ -81,11 +115,11 @@ def _ring_case(index: int, case: str, fn: Any) -> Finding:
     layout = split_zigzag(16, world)
     mine = layout[rank]
     ring = functools.partial(ring_attention, layout=layout, causal=True, merge=fn)
-    out = _call(index, case, ring, q[..., mine, :], k[..., mine, :], v[..., mine, :])
+    out = call_learner(index, case, ring, q[..., mine, :], k[..., mine, :], v[..., mine, :])
     truth = F.scaled_dot_product_attention(q, k, v, is_causal=True)[..., mine, :]
     if torch.allclose(out, truth, rtol=1e-9, atol=1e-12):
-        return _finding(case)
-    return _finding(
+        return make_finding(case)
+    return make_finding(
         case,
         f"rank {rank}'s output differs from full attention by up to "
         f"{(out - truth).abs().max().item():.3g}",
@@ -102,7 +136,7 @@ def _diagnose_merge(case: str, returned: Any, data: dict[str, Any]) -> Finding:
             if isinstance(returned, torch.Tensor)
             else f"{type(returned).__name__} {returned!r:.60}"
         )
-        return _finding(
+        return make_finding(
             case,
             f"returned {shown}",
             "return a pair (out, lse): the merged output and its log-sum-exp, which the next "
@@ -112,7 +146,7 @@ def _diagnose_merge(case: str, returned: Any, data: dict[str, Any]) -> Finding:
     for what, got, want in (("out", out, data["out"]), ("lse", lse, data["lse"])):
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             shown = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            return _finding(
+            return make_finding(
                 case,
                 f"{what} is {shown}, not a tensor of shape {tuple(want.shape)}",
                 "out has the shape of out_a, lse the shape of lse_a (one number per query row)",
@@ -120,20 +154,20 @@ def _diagnose_merge(case: str, returned: Any, data: dict[str, Any]) -> Finding:
     if torch.isnan(out).any() or torch.isnan(lse).any():
         both = torch.isneginf(lse_a) & torch.isneginf(lse_b)
         if both.any():
-            return _finding(
+            return make_finding(
                 case,
                 "NaN in the result, on the rows where lse_a and lse_b are both -inf",
                 "-inf - (-inf) is NaN: where the merged lse is -inf (no key seen yet), the "
                 "weights must be 0 and out 0; torch.logaddexp(-inf, -inf) is -inf",
             )
-        return _finding(
+        return make_finding(
             case,
             "NaN in the result: exp() of an lse above 709 is inf in float64, and inf / inf is NaN",
             "never exponentiate an lse itself: lse = torch.logaddexp(lse_a, lse_b), and weigh "
             "each out by exp(lse_part - lse), at most 1",
         )
     if torch.isinf(out).any() or (torch.isinf(lse) & ~torch.isinf(data["lse"])).any():
-        return _finding(
+        return make_finding(
             case,
             "inf in the result: exp() of the lse overflowed",
             "never exponentiate an lse itself: lse = max + log(exp(lse_a - max) + exp(lse_b - "
@@ -142,7 +176,7 @@ def _diagnose_merge(case: str, returned: Any, data: dict[str, Any]) -> Finding:
     out_ok = torch.allclose(out, data["out"], rtol=1e-9, atol=1e-12)
     lse_ok = torch.allclose(lse, data["lse"], rtol=1e-9, atol=1e-12)
     if out_ok and lse_ok:
-        return _finding(case)
+        return make_finding(case)
     with torch.no_grad():
         maximum = torch.maximum(lse_a, lse_b)
         wrong_out = {
@@ -172,14 +206,27 @@ def _diagnose_merge(case: str, returned: Any, data: dict[str, Any]) -> Finding:
     if not out_ok:
         for name, (values, hint) in wrong_out.items():
             if torch.allclose(out, values, rtol=1e-9, atol=1e-12):
-                return _finding(case, f"{detail}: out is {name}", hint)
+                return make_finding(case, f"{detail}: out is {name}", hint)
     if not lse_ok:
         for name, (values, hint) in wrong_lse.items():
             if torch.allclose(lse, values, rtol=1e-9, atol=1e-12):
-                return _finding(case, f"{detail}: lse is {name}", hint)
-    return _finding(
+                return make_finding(case, f"{detail}: lse is {name}", hint)
+    return make_finding(
         case,
         detail,
         "lse = logaddexp(lse_a, lse_b); out = exp(lse_a - lse) * out_a + exp(lse_b - lse) * "
         "out_b, each weight broadcast over the last dimension (unsqueeze(-1))",
     )
+
+
+EXERCISE = Exercise(
+    key="merge_partials",
+    name="merge_partials",
+    functions=("merge_partials",),
+    world_size=2,
+    cases=tuple(case for case, *_ in CASES),
+    run=run,
+    reference=(solutions.merge_partials,),
+    hang_hint="the function does not return: it needs no collective and no loop, a few tensor "
+    "operations on its four arguments",
+)

@@ -11,17 +11,20 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from mgtutor.exercises.cases._common import (
+from mgtutor.exercises import solutions
+from mgtutor.exercises.checking import Exercise, check
+from mgtutor.exercises.rank_side import (
     Finding,
     LearnerFailed,
-    _call,
-    _everyone_ok,
-    _finding,
+    call_learner,
+    everyone_ok,
+    make_finding,
 )
+from mgtutor.exercises.result import CheckResult
 
-__all__ = ["CHECKED_CASES", "run"]
+__all__ = ["CASES", "EXERCISE", "check_checked_all_reduce", "run"]
 
-CHECKED_CASES = (  # label, shape on each rank, dtype on each rank
+CASES = (  # label, shape on each rank, dtype on each rank
     ("(3, 4) float32 on both ranks", ((3, 4), (3, 4)), ("float32", "float32")),
     ("0-d float64 tensors on both ranks (a loss)", ((), ()), ("float64", "float64")),
     ("(2, 3) on rank 0, (3, 2) on rank 1: as many elements", ((2, 3), (3, 2)), ("float32",) * 2),
@@ -37,6 +40,34 @@ _GUARDED = {
     "all_gather": "tensor",
     "all_gather_into_tensor": "input_tensor",
 }
+
+
+def check_checked_all_reduce(
+    checked_all_reduce: Callable[..., Any], *, timeout: float = 20.0
+) -> CheckResult:
+    """Check an all-reduce that refuses, on every rank, tensors that differ between ranks.
+
+    The exercise: write ``checked_all_reduce(tensor) -> None``. When every rank's tensor has
+    the same shape and dtype, it sums them in place, as ``dist.all_reduce(tensor)`` does;
+    otherwise it raises ``ValueError`` on every rank, with a message naming each rank and its
+    shape (or dtype), instead of letting gloo sum mismatched tensors or end a rank.
+
+    The checker runs it on 2 ranks: matching tensors (a 0-d one too), shapes with as many
+    elements, a 0-d tensor against a ``(1,)`` one, and two dtypes. While it runs, every
+    collective first compares what the ranks pass to it, so that a missing check is reported
+    instead of corrupting the sum, ending a rank or hanging.
+
+    Args:
+        checked_all_reduce: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``checked_all_reduce`` is not a function.
+    """
+    return check(EXERCISE, (checked_all_reduce,), timeout)
 
 
 class _Desync(BaseException):
@@ -124,7 +155,7 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     rank = dist.get_rank()
     side = dist.new_group(backend="gloo")
     findings = []
-    for number, (case, shapes, dtypes) in enumerate(CHECKED_CASES):
+    for number, (case, shapes, dtypes) in enumerate(CASES):
         inputs = [
             torch.randint(
                 -9, 10, shape, generator=torch.Generator().manual_seed(10 * number + r)
@@ -136,7 +167,7 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
         with _CollectiveGuard(side) as guard:
             (fn,) = cloudpickle.loads(payload)  # a collective imported by name is guarded too
             try:
-                returned = _call(index, case, fn, tensor)
+                returned = call_learner(index, case, fn, tensor)
             except LearnerFailed as exc:
                 failure = exc
             except _Desync as exc:
@@ -149,7 +180,7 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
         findings.append(
             _diagnose_checked(case, inputs, tensor, returned, failure, desync, others, matching)
         )
-        if not _everyone_ok(findings[-1]):
+        if not everyone_ok(findings[-1]):
             break
     dist.destroy_process_group(side)
     return findings
@@ -168,7 +199,7 @@ def _desync_finding(case: str, states: list[dict[str, Any]]) -> Finding:
     if left:
         waiting = [r for r, s in enumerate(states) if s["op"] != "done"]
         how = states[left[0]].get("outcome", "left")
-        return _finding(
+        return make_finding(
             case,
             f"{_ranks(waiting)} went on to dist.{states[waiting[0]]['op']} while "
             f"{_ranks(left)} had left the function ({how}): {_ranks(waiting)} would wait "
@@ -182,14 +213,14 @@ def _desync_finding(case: str, states: list[dict[str, Any]]) -> Finding:
         for r, s in enumerate(states)
     )
     if len(ops) > 1:
-        return _finding(
+        return make_finding(
             case,
             f"the ranks called different collectives ({per_rank})",
             "call the same collectives in the same order on every rank",
         )
     (op,) = ops
     if op != "all_reduce":
-        return _finding(
+        return make_finding(
             case,
             f"your check's own dist.{op} got tensors that differ between the ranks ({per_rank}), "
             "which gloo cannot gather",
@@ -198,13 +229,13 @@ def _desync_finding(case: str, states: list[dict[str, Any]]) -> Finding:
             "Python objects (dist.all_gather_object) or pad them to a fixed length",
         )
     if len({tuple(s["shape"]) for s in states}) == 1:
-        return _finding(
+        return make_finding(
             case,
             f"dist.all_reduce was called with different dtypes ({per_rank}); gloo reduces the "
             f"bytes as if they were the same type",
             "compare the dtypes too, not only the shapes, and raise ValueError on every rank",
         )
-    return _finding(
+    return make_finding(
         case,
         f"dist.all_reduce was called with different shapes ({per_rank}); gloo either sums "
         f"them element by element as if they matched or ends the rank (SIGABRT)",
@@ -228,7 +259,7 @@ def _diagnose_checked(
         return _desync_finding(case, desync)
     if matching:
         if failure is not None:
-            return _finding(
+            return make_finding(
                 case,
                 f"raised ValueError although every rank holds the same shape and dtype: "
                 f"{failure.message}",
@@ -236,21 +267,21 @@ def _diagnose_checked(
             )
         expected = sum(inputs[1:], inputs[0].clone())
         if torch.equal(tensor, expected):
-            return _finding(case)
+            return make_finding(case)
         if isinstance(returned, torch.Tensor) and torch.equal(returned, expected):
-            return _finding(
+            return make_finding(
                 case,
                 "returned the sum but left the tensor it was given unchanged",
                 "reduce in place, like dist.all_reduce: dist.all_reduce(tensor) writes the sum "
                 "into tensor",
             )
         if torch.equal(tensor, expected / len(inputs)):
-            return _finding(
+            return make_finding(
                 case,
                 "the tensor holds the mean over the ranks",
                 "sum, like dist.all_reduce's default (ReduceOp.SUM); do not divide",
             )
-        return _finding(
+        return make_finding(
             case,
             f"the tensor holds {tensor.tolist()}, expected the sum {expected.tolist()}",
             "after the check, dist.all_reduce(tensor) on every rank",
@@ -259,7 +290,7 @@ def _diagnose_checked(
         raised = [
             r for r, s in enumerate(others or []) if s.get("outcome", "").startswith("raised")
         ]
-        return _finding(
+        return make_finding(
             case,
             "returned without raising although the ranks' tensors differ"
             + (f", while rank(s) {raised} raised" if raised else ""),
@@ -268,7 +299,7 @@ def _diagnose_checked(
             "ValueError",
         )
     if failure.exc_type != "ValueError":
-        return _finding(
+        return make_finding(
             case,
             f"raised {failure.exc_type}: {failure.message}",
             "raise ValueError (a wrong argument), not another exception; an assert disappears "
@@ -296,11 +327,25 @@ def _check_message(case: str, inputs: list[torch.Tensor], message: str) -> Findi
             rest = rest.replace(form, " ")
     unnamed = [r for r in range(len(inputs)) if not re.search(rf"\b{r}\b", rest)]
     if missing or unnamed:
-        return _finding(
+        return make_finding(
             case,
             f"the ValueError says {message!r}; it should name every rank and its {what} "
             f"(here {', '.join(f'rank {r} {text}' for r, text in enumerate(named))})",
             "gather (shape, dtype) from every rank, and put each rank with its shape and dtype "
             "in the message, for example 'shapes differ: rank 0 (2, 3), rank 1 (3, 2)'",
         )
-    return _finding(case)
+    return make_finding(case)
+
+
+EXERCISE = Exercise(
+    key="checked_all_reduce",
+    name="checked_all_reduce",
+    functions=("checked_all_reduce",),
+    world_size=2,
+    cases=tuple(case for case, *_ in CASES),
+    run=run,
+    reference=(solutions.checked_all_reduce,),
+    hang_hint="the ranks' collectives did not pair up: one rank waits in a collective that "
+    "another never calls. Gather the shapes on every rank with the same call, decide on "
+    "every rank, and either raise on all of them or all-reduce on all of them",
+)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -9,11 +10,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mgtutor.exercises.cases._common import Finding, _call, _everyone_ok, _finding
+from mgtutor.exercises import solutions
+from mgtutor.exercises.checking import Exercise, check
+from mgtutor.exercises.rank_side import Finding, call_learner, everyone_ok, make_finding
+from mgtutor.exercises.result import CheckResult
 
-__all__ = ["PAIR_CASES", "run"]
+__all__ = ["CASES", "EXERCISE", "check_tensor_parallel_pair", "run"]
 
-PAIR_CASES = (
+CASES = (
     "copy_to_parallel's forward: each rank gets its own x back, unchanged",
     "copy_to_parallel's backward: x's gradient is the sum of every rank's upstream gradient",
     "reduce_from_parallel's forward: the sum of every rank's x",
@@ -21,6 +25,40 @@ PAIR_CASES = (
     "an MLP split column-wise then row-wise: output and every gradient equal to one process",
 )
 _SHAPE = (2, 3, 4)
+
+
+def check_tensor_parallel_pair(
+    copy_to_parallel: Callable[..., Any],
+    reduce_from_parallel: Callable[..., Any],
+    *,
+    timeout: float = 20.0,
+) -> CheckResult:
+    """Check Megatron-LM's f and g, the conjugate pair around a tensor-parallel region.
+
+    The exercise: write ``copy_to_parallel(x)`` (f: x unchanged in forward, its gradient
+    all-reduced in backward) and ``reduce_from_parallel(x)`` (g: x all-reduced in forward, the
+    gradient unchanged in backward), each returning ``SomeFunction.apply(x)`` of a
+    ``torch.autograd.Function`` you write.
+
+    The checker runs them on 2 ranks: each function alone, forward and backward, with a
+    different input and a different upstream gradient on each rank; then an MLP split
+    column-wise (the up layer's rows) then row-wise (the down layer's columns) with ``f``
+    before it and ``g`` after it, whose output and every gradient must equal the same MLP in
+    one process. It recognizes an all-reduce in both directions, none at all, a sum where a
+    copy belongs, and a mean where a sum belongs.
+
+    Args:
+        copy_to_parallel: your f.
+        reduce_from_parallel: your g.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: either argument is not a function.
+    """
+    return check(EXERCISE, (copy_to_parallel, reduce_from_parallel), timeout)
 
 
 def _pair_input(rank: int) -> torch.Tensor:
@@ -39,18 +77,18 @@ def _close(a: Any, b: torch.Tensor) -> bool:
 def _forward_and_backward(index, case, fn, rank, world):
     """fn on this rank's x; backward with upstream gradient rank + 1 everywhere."""
     x = _pair_input(rank)
-    y = _call(index, case, fn, x)
+    y = call_learner(index, case, fn, x)
     if isinstance(y, torch.Tensor) and y.requires_grad:
-        _call(index, case, lambda: y.backward(torch.full(_SHAPE, rank + 1.0).double()))
+        call_learner(index, case, lambda: y.backward(torch.full(_SHAPE, rank + 1.0).double()))
     inputs = [_pair_input(r).detach() for r in range(world)]
     return x, y, inputs
 
 
 def _verdict(case: str, got: Any, want: torch.Tensor, wrong: dict[str, tuple]) -> Finding:
     if _close(got, want):
-        return _finding(case)
+        return make_finding(case)
     if isinstance(got, str):
-        return _finding(
+        return make_finding(
             case,
             got,
             "wrap the operation in a torch.autograd.Function and return "
@@ -58,9 +96,9 @@ def _verdict(case: str, got: Any, want: torch.Tensor, wrong: dict[str, tuple]) -
         )
     for value, detail, hint in wrong.values():
         if _close(got, value):
-            return _finding(case, detail, hint)
+            return make_finding(case, detail, hint)
     shown = got.detach().reshape(-1)[:3].tolist() if isinstance(got, torch.Tensor) else got
-    return _finding(
+    return make_finding(
         case,
         f"got {type(got).__name__} {shown!r:.80}, expected {want.reshape(-1)[:3].tolist()}...",
         "return a tensor of x's shape from forward, and x's gradient from backward",
@@ -71,12 +109,12 @@ def _unit_cases(index, f, g, rank, world) -> list[Finding]:
     total_grad = torch.full(_SHAPE, sum(r + 1.0 for r in range(world))).double()
     own_grad = torch.full(_SHAPE, rank + 1.0).double()
     findings = []
-    x, y, inputs = _forward_and_backward(index, PAIR_CASES[0], f, rank, world)
+    x, y, inputs = _forward_and_backward(index, CASES[0], f, rank, world)
     summed = sum(inputs)
     no_grad = "x has no gradient: forward's output must come from an autograd.Function"
     findings.append(
         _verdict(
-            PAIR_CASES[0],
+            CASES[0],
             y,
             inputs[rank],
             {
@@ -89,11 +127,11 @@ def _unit_cases(index, f, g, rank, world) -> list[Finding]:
             },
         )
     )
-    if not _everyone_ok(findings[-1]):
+    if not everyone_ok(findings[-1]):
         return findings
     findings.append(
         _verdict(
-            PAIR_CASES[1],
+            CASES[1],
             x.grad if x.grad is not None else no_grad,
             total_grad,
             {
@@ -107,12 +145,12 @@ def _unit_cases(index, f, g, rank, world) -> list[Finding]:
             },
         )
     )
-    if not _everyone_ok(findings[-1]):
+    if not everyone_ok(findings[-1]):
         return findings
-    x, y, inputs = _forward_and_backward(index, PAIR_CASES[2], g, rank, world)
+    x, y, inputs = _forward_and_backward(index, CASES[2], g, rank, world)
     findings.append(
         _verdict(
-            PAIR_CASES[2],
+            CASES[2],
             y,
             summed,
             {
@@ -131,11 +169,11 @@ def _unit_cases(index, f, g, rank, world) -> list[Finding]:
             },
         )
     )
-    if not _everyone_ok(findings[-1]):
+    if not everyone_ok(findings[-1]):
         return findings
     findings.append(
         _verdict(
-            PAIR_CASES[3],
+            CASES[3],
             x.grad if x.grad is not None else no_grad,
             own_grad,
             {
@@ -153,7 +191,7 @@ def _unit_cases(index, f, g, rank, world) -> list[Finding]:
 
 
 def _mlp_case(index, f, g, rank, world) -> Finding:
-    case = PAIR_CASES[4]
+    case = CASES[4]
     gen = torch.Generator().manual_seed(3)
     w1, b1 = torch.randn(8, 4, generator=gen).double(), torch.randn(8, generator=gen).double()
     w2, b2 = torch.randn(4, 8, generator=gen).double(), torch.randn(4, generator=gen).double()
@@ -163,11 +201,11 @@ def _mlp_case(index, f, g, rank, world) -> Finding:
     y_full.pow(2).sum().backward()
     rows = slice(rank * 8 // world, (rank + 1) * 8 // world)
     mine = [t.clone().requires_grad_() for t in (x, w1[rows], b1[rows], w2[:, rows], b2)]
-    hidden = F.gelu(F.linear(_call(index, case, f, mine[0]), mine[1], mine[2]))
-    y = _call(index, case, g, F.linear(hidden, mine[3])) + mine[4]
-    _call(index, case, lambda: y.pow(2).sum().backward())
+    hidden = F.gelu(F.linear(call_learner(index, case, f, mine[0]), mine[1], mine[2]))
+    y = call_learner(index, case, g, F.linear(hidden, mine[3])) + mine[4]
+    call_learner(index, case, lambda: y.pow(2).sum().backward())
     if not _close(y, y_full):
-        return _finding(case, "the output differs from one process", "")
+        return make_finding(case, "the output differs from one process", "")
     names = (
         "x",
         "the up weight's rows",
@@ -184,19 +222,32 @@ def _mlp_case(index, f, g, rank, world) -> Finding:
     )
     for name, got, want in zip(names, mine, expected):
         if not _close(got.grad, want):
-            return _finding(
+            return make_finding(
                 case,
                 f"the gradient of {name} differs from one process",
                 "the four cases before passed, so this is how the functions combine: return new "
                 "tensors (no in-place all-reduce on x or grad) from both functions",
             )
-    return _finding(case)
+    return make_finding(case)
 
 
 def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     rank, world = dist.get_rank(), dist.get_world_size()
     f, g = cloudpickle.loads(payload)
     findings = _unit_cases(index, f, g, rank, world)
-    if len(findings) == 4 and _everyone_ok(findings[-1]):
+    if len(findings) == 4 and everyone_ok(findings[-1]):
         findings.append(_mlp_case(index, f, g, rank, world))
     return findings
+
+
+EXERCISE = Exercise(
+    key="tensor_parallel_pair",
+    name="copy_to_parallel / reduce_from_parallel",
+    functions=("copy_to_parallel", "reduce_from_parallel"),
+    world_size=2,
+    cases=CASES,
+    run=run,
+    reference=(solutions.copy_to_parallel, solutions.reduce_from_parallel),
+    hang_hint="a collective that not every rank calls waits forever: each function's all-reduce "
+    "runs on every rank, with no condition on the rank",
+)

@@ -10,18 +10,21 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from mgtutor.exercises.cases._common import (
+from mgtutor.exercises import solutions
+from mgtutor.exercises.checking import Exercise, check
+from mgtutor.exercises.rank_side import (
     Finding,
     ForbiddenCollective,
     LearnerFailed,
-    _call,
-    _everyone_ok,
-    _finding,
+    call_learner,
+    everyone_ok,
+    make_finding,
 )
+from mgtutor.exercises.result import CheckResult
 
-__all__ = ["RING_CASES", "run"]
+__all__ = ["CASES", "EXERCISE", "check_ring_average", "run"]
 
-RING_CASES = (  # label, shape, dtype
+CASES = (  # label, shape, dtype
     ("12 float64 values (4 per rank)", (12,), torch.float64),
     ("10 float32 values (pieces of 4, 3 and 3)", (10,), torch.float32),
     ("a 4x5 float32 matrix", (4, 5), torch.float32),
@@ -50,6 +53,35 @@ _COLLECTIVES = (
     "scatter",
     "scatter_object_list",
 )
+
+
+def check_ring_average(ring_average: Callable[..., Any], *, timeout: float = 20.0) -> CheckResult:
+    """Check a ring all-reduce that averages, built from point-to-point messages.
+
+    The exercise: write ``ring_average(tensor) -> None``, which replaces ``tensor`` on every
+    rank, in place, by its mean over all ranks (what DDP does to gradients), using only
+    ``dist.send``/``recv``/``isend``/``irecv`` (or ``batch_isend_irecv``): a reduce-scatter
+    then an all-gather around the ring. It must work for any shape (a 0-d tensor too), any
+    number of elements (fewer than the ranks too) and float16, float32 or float64.
+
+    The checker runs it on 3 ranks and compares with the mean computed from all ranks' inputs.
+    Collectives (``dist.all_reduce`` and friends) raise while it runs.
+
+    Args:
+        ring_average: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``ring_average`` is not a function.
+
+    Example:
+        >>> check_ring_average(ring_average).passed
+        True
+    """
+    return check(EXERCISE, (ring_average,), timeout)
 
 
 def _refusal(name: str) -> Callable[..., Any]:
@@ -93,18 +125,18 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     with _collectives_refused():
         (fn,) = cloudpickle.loads(payload)
     findings = []
-    for number, (case, shape, dtype) in enumerate(RING_CASES):
+    for number, (case, shape, dtype) in enumerate(CASES):
         inputs = [_ring_input(number, r, shape, dtype) for r in range(world)]
         expected = (sum(t.double() for t in inputs) / world).to(dtype)
         tensor = inputs[rank].clone()
         try:
             with _collectives_refused():
-                returned = _call(index, case, fn, tensor)
+                returned = call_learner(index, case, fn, tensor)
         except LearnerFailed as failure:
             if failure.exc_type != ForbiddenCollective.__name__:
                 raise
             findings.append(
-                _finding(
+                make_finding(
                     case,
                     f"it called a collective: {failure.message.split(';')[0]}",
                     "build the average from point-to-point messages only (dist.isend, "
@@ -113,7 +145,7 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
             )
         else:
             findings.append(_diagnose_ring(case, tensor, returned, inputs[rank], expected, world))
-        if not _everyone_ok(findings[-1]):
+        if not everyone_ok(findings[-1]):
             break
     return findings
 
@@ -134,29 +166,29 @@ def _diagnose_ring(
         )
 
     if tensor.dtype != expected.dtype or tensor.shape != expected.shape:
-        return _finding(
+        return make_finding(
             case,
             f"the tensor became {tensor.dtype} of shape {tuple(tensor.shape)}",
             "keep the tensor's shape and dtype: write the mean into it (its pieces as views)",
         )
     if close(tensor, expected):
-        return _finding(case)
+        return make_finding(case)
     if isinstance(returned, torch.Tensor) and close(returned.reshape(expected.shape), expected):
-        return _finding(
+        return make_finding(
             case,
             "returned the mean but left the tensor it was given unchanged",
             "work in place, like dist.all_reduce: tensor.copy_(result), or add into views of "
             "tensor (tensor.view(-1).tensor_split(world_size) gives such views)",
         )
     if torch.equal(tensor, original):
-        return _finding(
+        return make_finding(
             case,
             "the tensor is unchanged",
             "write into the tensor itself: views of it (tensor.view(-1).tensor_split(...)), "
             "in-place operations (+=, div_, recv into a view)",
         )
     if close(tensor, expected * world):
-        return _finding(
+        return make_finding(
             case,
             f"every value is {world} times the mean: the sum over the ranks",
             "divide by the world size: the sum is the ring's result, the mean is the exercise's",
@@ -165,7 +197,7 @@ def _diagnose_ring(
     flat = wrong.view(-1)
     pieces = [p for p, part in enumerate(flat.tensor_split(world)) if part.any()]
     first = int(flat.nonzero()[0])
-    return _finding(
+    return make_finding(
         case,
         f"{int(flat.sum())} of {flat.numel()} values are wrong, in piece(s) {pieces} of the "
         f"{world} that tensor_split(world_size) cuts the flattened tensor into; value {first}: "
@@ -175,3 +207,22 @@ def _diagnose_ring(
         "(r + 1) % world, which the all-gather passes on. Note that tensor.chunk(n) can return "
         "fewer than n pieces; tensor_split(n) always returns n",
     )
+
+
+EXERCISE = Exercise(
+    key="ring_average",
+    name="ring_average",
+    functions=("ring_average",),
+    world_size=3,
+    cases=tuple(case for case, *_ in CASES),
+    run=run,
+    reference=(solutions.ring_average,),
+    hang_hint="every rank waits for a message that its neighbour never sends: check that each "
+    "send has a matching recv on the neighbour, and send with dist.isend (if every rank "
+    "first sends with a blocking send, all of them can wait at once)",
+    raise_hints={
+        "IndexError": "tensor.chunk(n) returns fewer than n pieces when the tensor is "
+        "short (4 rows in 3 chunks: 2 pieces of 2); tensor.view(-1).tensor_split(n) always "
+        "returns n, some of them empty",
+    },
+)

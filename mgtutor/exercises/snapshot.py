@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,14 +17,51 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from mgtutor.exercises.cases._common import (
+from mgtutor.exercises import solutions
+from mgtutor.exercises.checking import Exercise, check
+from mgtutor.exercises.rank_side import (
     Finding,
-    _call,
-    _finding,
-    _same,
+    call_learner,
+    make_finding,
+    same_tensors,
 )
+from mgtutor.exercises.result import CheckResult
 
-__all__ = ["SNAPSHOT_EPOCHS", "TrainingJob", "run"]
+__all__ = ["SNAPSHOT_EPOCHS", "TrainingJob", "EXERCISE", "check_snapshot", "run"]
+
+
+def check_snapshot(
+    save_snapshot: Callable[..., Any],
+    load_snapshot: Callable[..., Any],
+    *,
+    timeout: float = 20.0,
+) -> CheckResult:
+    """Check a snapshot that lets a restarted job continue exactly where it stopped.
+
+    The exercise: write ``save_snapshot(path, job) -> None`` and ``load_snapshot(path, job) ->
+    None``. ``job`` is a :class:`TrainingJob` (``model``, a DDP model; ``optimizer``, Adam;
+    ``scheduler``, a cosine schedule; ``sampler``; ``epoch``, the next epoch to train). The
+    training loop adds random noise to every batch, drawn from torch's generator, which each
+    rank seeds differently. Both functions are called on every rank with the same ``path``;
+    ``load_snapshot`` must restore ``job`` in place, ``job.epoch`` included.
+
+    The checker trains 2 ranks for one epoch, calls ``save_snapshot``, trains the next epoch
+    (the uninterrupted run), then restarts: a new process group, a fresh job built and seeded
+    as a restarted script would, ``load_snapshot``, and the same epoch again. Its losses and
+    weights must equal the uninterrupted run's, bit for bit.
+
+    Args:
+        save_snapshot: your function that saves.
+        load_snapshot: your function that restores.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: either argument is not a function.
+    """
+    return check(EXERCISE, (save_snapshot, load_snapshot), timeout)
 
 
 @dataclass
@@ -121,7 +159,7 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     case = "save after epoch 0, restart, load, train epoch 1"
     job, loader = _new_job()
     _train_epoch(job, loader)
-    _call(index, "save_snapshot after epoch 0", save, path, job)
+    call_learner(index, "save_snapshot after epoch 0", save, path, job)
     saved = _state(job)
     uninterrupted = _train_epoch(job, loader)
     final = [p.detach().clone() for p in job.model.parameters()]
@@ -132,7 +170,7 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     _restart_process_group(f"mgtutor-exercise-restart-{index}")
     job, loader = _new_job()
     fresh_rng = torch.get_rng_state()
-    _call(index, "load_snapshot in the restarted job", load, path, job)
+    call_learner(index, "load_snapshot in the restarted job", load, path, job)
     loaded = _state(job)
     resumed: list[float] = []
     for _ in range(SNAPSHOT_EPOCHS):
@@ -160,7 +198,7 @@ def _diagnose_snapshot(
     after: list[torch.Tensor],
 ) -> Finding:
     if loaded["epoch"] != saved["epoch"]:
-        return _finding(
+        return make_finding(
             case,
             f"after loading, job.epoch is {loaded['epoch']}; the snapshot was taken with "
             f"job.epoch = {saved['epoch']}",
@@ -174,7 +212,7 @@ def _diagnose_snapshot(
     }
     for key, what in parts.items():
         if not _equal(loaded[key], saved[key]):
-            return _finding(
+            return make_finding(
                 case,
                 f"after loading, {key} differs from what it was when the snapshot was taken",
                 f"save and restore {what}",
@@ -182,7 +220,7 @@ def _diagnose_snapshot(
     if not torch.equal(loaded["rng"], saved["rng"]):
         others = [r for r, state in enumerate(saved_rngs) if torch.equal(loaded["rng"], state)]
         if others:
-            return _finding(
+            return make_finding(
                 case,
                 f"rank {rank} restored rank {others[0]}'s random generator state, not its own",
                 "each rank draws its own random numbers: gather every rank's "
@@ -190,23 +228,40 @@ def _diagnose_snapshot(
                 "and let each rank restore its own",
             )
         unrestored = torch.equal(loaded["rng"], fresh_rng)
-        return _finding(
+        return make_finding(
             case,
             "torch's random generator "
             + ("was not restored: " if unrestored else "differs from the snapshot's: ")
             + "the restarted job draws other augmentation noise (and DataLoader seeds)",
             "save torch.get_rng_state() of every rank and restore it with torch.set_rng_state",
         )
-    if resumed != uninterrupted or not _same(after, final):
+    if resumed != uninterrupted or not same_tensors(after, final):
         step = next(
             (i for i, (a, b) in enumerate(zip(resumed, uninterrupted)) if a != b),
             min(len(resumed), len(uninterrupted)),
         )
-        return _finding(
+        return make_finding(
             case,
             f"everything checked was restored, yet the resumed run's loss differs from the "
             f"uninterrupted run's at step {step + 1} of epoch 1",
             "look for other state the next step depends on",
             knock_on=True,
         )
-    return _finding(case)
+    return make_finding(case)
+
+
+EXERCISE = Exercise(
+    key="snapshot",
+    name="save_snapshot / load_snapshot",
+    functions=("save_snapshot", "load_snapshot"),
+    world_size=2,
+    cases=(
+        "train epoch 0, save_snapshot, a new process group and a fresh job, load_snapshot, "
+        "train epoch 1: the same losses and weights as without the restart, bit for bit",
+    ),
+    run=run,
+    reference=(solutions.save_snapshot, solutions.load_snapshot),
+    hang_hint="a collective called on some ranks only (say, a gather inside if rank == 0) waits "
+    "forever; call collectives on every rank",
+    needs_folder=True,
+)

@@ -10,7 +10,7 @@ while the learner's function runs.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -19,16 +19,48 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mgtutor.exercises.cases._common import Finding, _call, _everyone_ok, _finding
+from mgtutor.exercises import solutions
+from mgtutor.exercises.checking import Exercise, check
+from mgtutor.exercises.rank_side import Finding, call_learner, everyone_ok, make_finding
+from mgtutor.exercises.result import CheckResult
 
-__all__ = ["GPIPE_CASES", "run"]
+__all__ = ["CASES", "EXERCISE", "check_gpipe_step", "run"]
 
 HIDDEN = 4
-GPIPE_CASES = (  # label, micro-batches, rows in each, seed
+CASES = (  # label, micro-batches, rows in each, seed
     ("4 micro-batches of 2 rows through 3 stages", 4, 2, 0),
     ("1 micro-batch of 3 rows: no pipelining at all, the same messages", 1, 3, 1),
     ("6 micro-batches of 1 row", 6, 1, 2),
 )
+
+
+def check_gpipe_step(gpipe_step: Callable[..., Any], *, timeout: float = 30.0) -> CheckResult:
+    """Check one GPipe step of a pipeline stage built from send and recv, as in notebook 15.
+
+    The exercise: write ``gpipe_step(stage_module, micro_batches, targets, loss_fn) -> None``.
+    Rank r holds stage r (``stage_module``); every rank gets the same micro-batches and
+    targets. Stage 0 feeds the micro-batches through its layer; every other stage receives
+    each activation from rank r - 1 (it has a micro-batch's shape) and sends its output on;
+    the last stage computes ``loss_fn(output, target)``. Then every micro-batch backward, the
+    gradient of each stage's input sent back to rank r - 1. The step's loss is the sum of the
+    micro-batches' losses; the gradients are left in the stage's ``.grad``.
+
+    The checker runs it on 3 ranks (so one stage both receives and sends each way) with 4, 1
+    and 6 micro-batches, counts the messages each rank sends and receives (one activation and
+    one gradient per micro-batch at each boundary) and compares each stage's gradients with
+    the whole model's in one process.
+
+    Args:
+        gpipe_step: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``gpipe_step`` is not a function.
+    """
+    return check(EXERCISE, (gpipe_step,), timeout)
 
 
 def _sum_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -78,16 +110,16 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     (fn,) = cloudpickle.loads(payload)
     rank, world = dist.get_rank(), dist.get_world_size()
     findings = []
-    for case, n_micro, rows, seed in GPIPE_CASES:
+    for case, n_micro, rows, seed in CASES:
         model, xs, ys = _case(world, n_micro, rows, seed)
         stage = copy.deepcopy(model[rank])
         with _counting() as counts:
-            _call(
+            call_learner(
                 index, case, fn, stage, [x.clone() for x in xs], [y.clone() for y in ys], _sum_mse
             )
         dist.barrier()
         findings.append(_diagnose(case, stage, model, xs, ys, counts, rank, world))
-        if not _everyone_ok(findings[-1]):
+        if not everyone_ok(findings[-1]):
             break
     return findings
 
@@ -123,7 +155,7 @@ def _diagnose(
             got, want = peers.count(peer), expected_counts[key].count(peer)
             if got != want:
                 what = "activations" if (peer > rank) == (key == "sent to") else "gradients"
-                return _finding(
+                return make_finding(
                     case,
                     f"stage {rank} {key} rank {peer} {got} message(s), expected {want}: "
                     f"one of the {what} per micro-batch",
@@ -136,16 +168,16 @@ def _diagnose(
     want = _grads(model[rank])
     got = _grads(stage)
     if _close(got, want):
-        return _finding(case)
+        return make_finding(case)
     if any(g is None for g in got):
-        return _finding(
+        return make_finding(
             case,
             f"stage {rank}'s parameters have no gradient after the step",
             "run backward on every stage: the last from its loss, the others from the "
             "gradient of their output received from the next stage (output.backward(grad))",
         )
     if n_micro > 1 and _close(got, [w / n_micro for w in want]):
-        return _finding(
+        return make_finding(
             case,
             f"stage {rank}'s gradients are the expected ones divided by {n_micro}, the number "
             "of micro-batches",
@@ -155,13 +187,13 @@ def _diagnose(
     model.zero_grad(set_to_none=True)
     _sum_mse(model(xs[-1]), ys[-1]).backward()
     if n_micro > 1 and _close(got, _grads(model[rank])):
-        return _finding(
+        return make_finding(
             case,
             f"stage {rank}'s gradients are those of the last micro-batch alone",
             "the micro-batches' gradients add up in .grad: do not zero them between "
             "micro-batches (zero them before the step, if at all)",
         )
-    return _finding(
+    return make_finding(
         case,
         f"stage {rank}'s gradients differ from one process's (largest difference "
         f"{max((g - w).abs().max().item() for g, w in zip(got, want)):.3g})",
@@ -170,3 +202,23 @@ def _diagnose(
         "loss_fn(output, target) per micro-batch; backward goes the other way",
         knock_on=True,
     )
+
+
+EXERCISE = Exercise(
+    key="gpipe_step",
+    name="gpipe_step",
+    functions=("gpipe_step",),
+    world_size=3,
+    cases=tuple(case for case, *_ in CASES),
+    run=run,
+    reference=(solutions.gpipe_step,),
+    hang_hint="a recv that no send matches waits forever: stage r receives activations from rank "
+    "r - 1 and gradients from rank r + 1, as many of each as there are micro-batches; "
+    "the first stage receives no activation and the last no gradient",
+    raise_hints={
+        "TypeError": "a send of None (got <class 'NoneType'>) is the gradient of a "
+        "received activation that did not require grad: call x.requires_grad_(True) "
+        "after the recv, or backward leaves x.grad as None and there is nothing to send "
+        "back",
+    },
+)

@@ -11,17 +11,20 @@ import cloudpickle
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from mgtutor.exercises.cases._common import (
+from mgtutor.exercises import solutions
+from mgtutor.exercises.checking import Exercise, check
+from mgtutor.exercises.rank_side import (
     Finding,
-    _call,
-    _everyone_ok,
-    _finding,
+    call_learner,
+    everyone_ok,
+    make_finding,
 )
+from mgtutor.exercises.result import CheckResult
 
-__all__ = ["SHARD_CASES", "run"]
+__all__ = ["CASES", "EXERCISE", "check_shard_indices", "run"]
 
 BATCH_SIZE = 2  # the DataLoader's, in the cases read through one
-SHARD_CASES = (  # label, samples, workers per rank, through a real DataLoader
+CASES = (  # label, samples, workers per rank, through a real DataLoader
     ("10 samples, 2 workers per rank", 10, 2, False),
     ("11 samples through a real DataLoader, 2 workers per rank, batches of 2", 11, 2, True),
     ("7 samples, num_workers=0 (the loop reads: worker 0 of 1)", 7, 1, False),
@@ -29,6 +32,36 @@ SHARD_CASES = (  # label, samples, workers per rank, through a real DataLoader
     ("13 samples through a real DataLoader, 2 workers per rank, batches of 2", 13, 2, True),
 )
 Reads = list[list[list[int]]]  # reads[rank][worker]: the samples that worker returned
+
+
+def check_shard_indices(shard_indices: Callable[..., Any], *, timeout: float = 30.0) -> CheckResult:
+    """Check how a stream's samples are split between ranks and their DataLoader workers.
+
+    The exercise: write ``shard_indices(n_samples, rank, world_size, worker_id, num_workers)
+    -> list[int]``, the indices of the samples that DataLoader worker ``worker_id`` (of
+    ``num_workers``) of rank ``rank`` (of ``world_size``) reads, for an ``IterableDataset``
+    over samples ``0 .. n_samples - 1``: it runs once in every worker of every rank (with
+    ``num_workers=0`` the loop itself reads: worker 0 of 1). Over all ranks and workers, every
+    sample must be read, nothing dropped, and every rank must get the same number of batches
+    (under DDP each rank runs a step per batch): every rank reads ceil(n_samples / world_size)
+    samples, padded with the first samples again as DistributedSampler pads.
+
+    The checker runs it on 2 ranks: each rank calls it for each of its workers, on sample
+    counts that divide and that do not, fewer samples than readers and no workers; and twice
+    through a real ``DataLoader`` (batches of 2, 2 forked workers on each rank), counting the
+    batches each rank's loader yields. The ranks exchange what each worker read.
+
+    Args:
+        shard_indices: your function.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``shard_indices`` is not a function.
+    """
+    return check(EXERCISE, (shard_indices,), timeout)
 
 
 class _Stream(IterableDataset):
@@ -75,14 +108,14 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     rank, world = dist.get_rank(), dist.get_world_size()
     (fn,) = cloudpickle.loads(payload)
     findings = []
-    for case, n, workers, loader in SHARD_CASES:
+    for case, n, workers, loader in CASES:
         reader = _through_loader if loader else _direct
-        mine, batches = _call(index, case, reader, fn, n, rank, world, workers)
+        mine, batches = call_learner(index, case, reader, fn, n, rank, world, workers)
         everyone: list[Any] = [None] * world
         dist.all_gather_object(everyone, (_as_samples(mine), batches))
         reads, batch_counts = [r for r, _ in everyone], [b for _, b in everyone]
         findings.append(_diagnose_shards(case, reads, n, workers, batch_counts))
-        if not _everyone_ok(findings[-1]):
+        if not everyone_ok(findings[-1]):
             break
     return findings
 
@@ -105,7 +138,7 @@ def _diagnose_shards(
     world = len(everyone)
     for rank, reads in enumerate(everyone):
         if isinstance(reads, str):
-            return _finding(
+            return make_finding(
                 case,
                 f"on rank {rank}, the {reads}",
                 "return the indices this worker reads, a list of ints (a range works too)",
@@ -117,7 +150,7 @@ def _diagnose_shards(
                 readers.setdefault(sample, []).append(f"rank {rank}'s worker {worker}")
     outside = sorted(s for s in readers if not 0 <= s < n)
     if outside:
-        return _finding(
+        return make_finding(
             case,
             f"sample {outside[0]} was read, which does not exist (the samples are 0 to {n - 1})",
             "read only the indices 0 to n_samples - 1; a shard that starts near the end may be "
@@ -130,7 +163,7 @@ def _diagnose_shards(
     missing = [s for s in range(n) if s not in readers]
     if missing:
         last = missing == list(range(n - len(missing), n))
-        return _finding(
+        return make_finding(
             case,
             f"{len(missing)} of the {n} samples were read by nobody: {missing}"
             + (", the last ones" if last else ""),
@@ -144,7 +177,7 @@ def _diagnose_shards(
         )
     if None not in batches and len(set(batches)) > 1:
         by_rank = ", ".join(f"rank {r} {b}" for r, b in enumerate(batches))
-        return _finding(
+        return make_finding(
             case,
             f"every sample was read, but the DataLoader (batch_size={BATCH_SIZE}, "
             f"num_workers={workers}) gave different batch counts: {by_rank}; under DDP a rank "
@@ -162,7 +195,7 @@ def _diagnose_shards(
             for r in range(world)
         ]
         by_rank = ", ".join(f"rank {r} read {c}" for r, c in enumerate(counts))
-        return _finding(
+        return make_finding(
             case,
             f"every sample was read, but {by_rank}: under DDP a rank with more samples can "
             f"run more steps and wait in an all-reduce that the others never call",
@@ -177,7 +210,7 @@ def _diagnose_shards(
                 "between its workers"
             ),
         )
-    return _finding(case)
+    return make_finding(case)
 
 
 def _duplicates(
@@ -193,7 +226,7 @@ def _duplicates(
     )
     every_rank_alike = all(reads == everyone[0] for reads in everyone)
     if every_worker_alike and every_rank_alike:
-        return _finding(
+        return make_finding(
             case,
             f"{detail}: every worker of every rank read the same samples",
             "nothing is split: DataLoader runs a copy of an IterableDataset in each worker of "
@@ -201,7 +234,7 @@ def _duplicates(
             "and num_workers",
         )
     if every_worker_alike:
-        return _finding(
+        return make_finding(
             case,
             f"{detail}: the workers of a rank all read that rank's whole shard",
             "that shards by rank only: DataLoader runs a copy of an IterableDataset in every "
@@ -209,15 +242,28 @@ def _duplicates(
             "num_workers-th sample of it, from worker_id on)",
         )
     if every_rank_alike:
-        return _finding(
+        return make_finding(
             case,
             f"{detail}: worker w of every rank read the same samples",
             "that shards by worker only: the ranks run the same code, so a split between the "
             "workers alone repeats on every rank; split by rank first, then by worker",
         )
-    return _finding(
+    return make_finding(
         case,
         detail,
         "each sample must belong to exactly one (rank, worker) pair: there are world_size x "
         "num_workers readers in all",
     )
+
+
+EXERCISE = Exercise(
+    key="shard_indices",
+    name="shard_indices",
+    functions=("shard_indices",),
+    world_size=2,
+    cases=tuple(case for case, *_ in CASES),
+    run=run,
+    reference=(solutions.shard_indices,),
+    hang_hint="the function does not return: it needs no collective and no loop that waits, only "
+    "arithmetic on its five arguments",
+)

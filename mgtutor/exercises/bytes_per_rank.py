@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
 
-from mgtutor.exercises.cases._common import (
+from mgtutor.exercises import solutions
+from mgtutor.exercises.checking import Exercise, check
+from mgtutor.exercises.rank_side import (
     Finding,
-    _call,
-    _finding,
+    call_learner,
+    make_finding,
 )
+from mgtutor.exercises.result import CheckResult
 
-__all__ = ["BYTES_CASES", "run"]
+__all__ = ["CASES", "EXERCISE", "check_bytes_per_rank", "run"]
 
-BYTES_CASES = (  # label, parameters, ranks, strategy
+CASES = (  # label, parameters, ranks, strategy
     ("1,000 parameters, 4 ranks, ddp", 1000, 4, "ddp"),
     ("1,000 parameters, 4 ranks, zero1", 1000, 4, "zero1"),
     ("1,001 parameters, 4 ranks, zero1", 1001, 4, "zero1"),
@@ -24,17 +28,47 @@ BYTES_CASES = (  # label, parameters, ranks, strategy
 )
 
 
+def check_bytes_per_rank(
+    bytes_per_rank: Callable[..., Any], *, timeout: float = 20.0
+) -> CheckResult:
+    """Check a memory calculator for Adam in float32 under DDP, ZeRO-1 and FSDP.
+
+    The exercise: write ``bytes_per_rank(n_params, world_size, strategy) -> list[int]``: for a
+    model whose parameters are one 1-d float32 tensor of ``n_params`` elements, trained with
+    Adam, the bytes each rank holds for parameters (4 per element), gradients (4) and Adam's
+    two moments (8), in rank order, under ``"ddp"``, ``"zero1"`` (the best case of
+    ``ZeroRedundancyOptimizer``: Adam's state split evenly by element, the first
+    ``n_params % world_size`` ranks one more, as :func:`mgtutor.measure.memplan.estimate`
+    assumes for a count) and ``"fsdp"`` (``fully_shard``: ``torch.chunk`` shards padded to the
+    first one's size). DDP's buckets, Adam's step counters and activations are left out.
+
+    The checker compares with :func:`mgtutor.measure.memplan.estimate` (torch 2.14's rules) on six
+    cases, one of them with more ranks than some shards have elements.
+
+    Args:
+        bytes_per_rank: your function.
+        timeout: seconds the rank may take before it is stopped.
+
+    Returns:
+        A :class:`CheckResult`.
+
+    Raises:
+        TypeError: ``bytes_per_rank`` is not a function.
+    """
+    return check(EXERCISE, (bytes_per_rank,), timeout)
+
+
 def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     from mgtutor.measure.memplan import estimate
 
     (fn,) = cloudpickle.loads(payload)
     findings = []
-    for case, n, world, strategy in BYTES_CASES:
+    for case, n, world, strategy in CASES:
         truth = [
             b.parameters + b.gradients + b.optimizer_state
             for b in estimate(n, world_size=world, strategy=strategy, optimizer="adam")
         ]
-        returned = _call(index, case, fn, n, world, strategy)
+        returned = call_learner(index, case, fn, n, world, strategy)
         findings.append(_diagnose_bytes(case, returned, truth, n, world, strategy))
         if not findings[-1]["ok"]:
             break
@@ -45,14 +79,14 @@ def _diagnose_bytes(
     case: str, returned: Any, truth: list[int], n: int, world: int, strategy: str
 ) -> Finding:
     if not isinstance(returned, (list, tuple)) or len(returned) != world:
-        return _finding(
+        return make_finding(
             case,
             f"returned {type(returned).__name__} {returned!r:.80}",
             f"return a list of {world} numbers, the bytes each rank holds, in rank order: "
             "the ranks do not all hold the same",
         )
     if list(returned) == truth:
-        return _finding(case)
+        return make_finding(case)
     shard, padded = n // world, -(-n // world)
     held = [max(0, min(padded, n - r * padded)) for r in range(world)]
     share = [shard + (r < n % world) for r in range(world)]
@@ -120,10 +154,23 @@ def _diagnose_bytes(
     detail = f"returned {list(returned)}, expected {truth}"
     for name, (values, hint) in wrong.items():
         if list(returned) == values:
-            return _finding(case, f"{detail}: that is {name}", hint)
-    return _finding(
+            return make_finding(case, f"{detail}: that is {name}", hint)
+    return make_finding(
         case,
         detail,
         "per parameter element: 4 B of parameter, 4 B of gradient, 8 B of Adam state, each "
         "counted on the ranks that hold it",
     )
+
+
+EXERCISE = Exercise(
+    key="bytes_per_rank",
+    name="bytes_per_rank",
+    functions=("bytes_per_rank",),
+    world_size=1,
+    cases=tuple(case for case, *_ in CASES),
+    run=run,
+    reference=(solutions.bytes_per_rank,),
+    hang_hint="the function does not return: it computes a few numbers, with no collective and "
+    "no loop over the parameters",
+)
