@@ -238,9 +238,9 @@ def step_time(
             tp += links["tp"].collective(c.sent_bytes, c.calls)
         elif c.group == "pp":
             # Each micro-batch's activation goes forward and its gradient comes back across a
-            # stage boundary; both transfers are on the critical path.
-            m = plan.micro_batches
-            pp += links["pp"].send(2 * m * c.buffer_bytes, 2 * m)
+            # stage boundary, once per model chunk; both transfers are on the critical path.
+            transfers = 2 * plan.micro_batches * chunks
+            pp += links["pp"].send(transfers * c.buffer_bytes, transfers)
         elif plan.zero in (1, 2) and c.name == "all_gather":
             dp_exposed += links["dp"].collective(c.sent_bytes, c.calls)
         else:
