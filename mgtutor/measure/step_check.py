@@ -365,3 +365,35 @@ def check(
             now = replace(hardware, flops={"fp32": min(rate for _, rate in per_rank)})
             predicted[name].append(step_time(_plan_of(name, model), model, now))
     return [Measured(name, predicted[name], seconds[name]) for name in configs]
+
+
+def main() -> None:
+    """``python -m mgtutor.measure.step_check [rounds]``: calibrate, predict, measure, print."""
+    import sys
+
+    import mgtutor
+
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    with mgtutor.Pool(2) as pool:
+        hardware = calibrate(pool)
+        measured = check(pool, hardware, rounds=rounds)
+    link = hardware.intra
+    print(
+        f"{hardware.flops['fp32'] / 1e9:.0f} GFLOP/s a rank (both busy), all-reduce "
+        f"{link.latency * 1e6:.0f} us + bytes / {link.bandwidth / 1e9:.2f} GB/s"
+    )
+    for m in measured:
+        print(
+            f"{m.name:34} predicted {m.predicted.total * 1e3:5.0f} ms, measured median "
+            f"{m.median * 1e3:5.0f} ms ({min(m.seconds) * 1e3:.0f}-{max(m.seconds) * 1e3:.0f}), "
+            f"error {m.error:+.0%}"
+        )
+    bound, why = tolerance()
+    print(
+        f"bound {bound:.0%} ({why}): "
+        + ("all within" if all(abs(m.error) <= bound for m in measured) else "NOT all within")
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -246,9 +246,9 @@ def step_time(
         else:
             seconds = links["dp"].collective(c.sent_bytes, c.calls)
             dp_overlappable += seconds
-            if plan.zero == 3:
+            if plan.zero == 3:  # the first unit's gather and the last one's scatter wait
                 last += seconds / (c.calls * max(1, math.ceil(model.layers / plan.pp)))
-            else:
+            else:  # DDP's (and ZeRO-1/2's) last bucket is reduced after backward ends
                 last = max(last, seconds * min(1.0, bucket_bytes / max(c.buffer_bytes, 1)))
     bubble = (plan.pp - 1) / (chunks * plan.micro_batches + plan.pp - 1)
     busy = compute + tp + pp
