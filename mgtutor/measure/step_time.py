@@ -53,6 +53,7 @@ __all__ = [
     "compute_flops",
     "ranked",
     "step_time",
+    "time_key",
 ]
 
 #: The size of DDP's gradient buckets, torch's default ``bucket_cap_mb=25``
@@ -268,6 +269,17 @@ def step_time(
     return StepTime(parts, dp_overlappable - exposed, tokens, gpus, flops, names)
 
 
+def time_key(model: Transformer, hardware: Hardware, recompute: str = "none") -> Any:
+    """A sort key for :func:`~mgtutor.measure.planner.layouts`: fastest first (most tokens/s
+    per GPU), then less memory: ``layouts(model, gpus, memory, key=time_key(model, hw))``."""
+
+    def key(p: Plan) -> tuple[float, int]:
+        t = step_time(p, model, hardware, recompute=recompute)
+        return -t.tokens_per_gpu_per_s, p.total
+
+    return key
+
+
 def ranked(
     model: Transformer,
     gpus: int,
@@ -289,9 +301,6 @@ def ranked(
         (plan, step time) pairs, highest tokens per second per GPU first.
     """
 
-    def clock(p: Plan) -> StepTime:
-        return step_time(p, model, hardware, recompute=recompute)
-
-    plans = layouts(model, gpus, hardware.memory, recompute=recompute, **options)
-    pairs = [(p, clock(p)) for p in plans]
-    return sorted(pairs, key=lambda pair: (-pair[1].tokens_per_gpu_per_s, pair[0].total))
+    key = time_key(model, hardware, recompute)
+    plans = layouts(model, gpus, hardware.memory, recompute=recompute, key=key, **options)
+    return [(p, step_time(p, model, hardware, recompute=recompute)) for p in plans]

@@ -17,6 +17,7 @@ from mgtutor.measure.step_time import (
     compute_flops,
     ranked,
     step_time,
+    time_key,
 )
 
 GB = 10**9
@@ -111,6 +112,12 @@ def test_ranked_by_time_proposes_nothing_torch_refuses_and_disagrees_with_bytes(
     assert {p.layout for p in by_bytes} == {p.layout for p, _ in timed}
     assert by_bytes[0].layout == "dp=4 (ZeRO-1) x tp=1 x pp=2"  # fewest bytes per useful step
     assert timed[0][0].layout != by_bytes[0].layout  # its bubble costs more than bytes save
+    # The planner's own layouts(), given time_key, sorts the same way.
+    key = time_key(gpt7b, H100_SXM_NODE, "selective")
+    by_time = layouts(
+        gpt7b, 8, H100_SXM_NODE.memory, recompute="selective", micro_batches=8, key=key
+    )
+    assert [p.layout for p in by_time] == [p.layout for p, _ in timed]
 
 
 def test_cpu_ranks_predicted_within_the_bound():
