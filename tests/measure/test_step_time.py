@@ -7,7 +7,7 @@ import time
 import pytest
 
 import mgtutor
-from mgtutor.measure import step_check
+from mgtutor.measure import step_calibrate, step_check
 from mgtutor.measure.plan_rules import refused_layouts
 from mgtutor.measure.planner import Transformer, layouts, plan
 from mgtutor.measure.step_time import (
@@ -118,6 +118,28 @@ def test_ranked_by_time_proposes_nothing_torch_refuses_and_disagrees_with_bytes(
         gpt7b, 8, H100_SXM_NODE.memory, recompute="selective", micro_batches=8, key=key
     )
     assert [p.layout for p in by_time] == [p.layout for p, _ in timed]
+
+
+def test_the_calibrated_rate_divides_the_flops_that_ran():
+    # calibrate()'s achieved FLOP/s is compute_flops(one layer) / the layer step's time: those
+    # FLOPs must be what the step runs, counted by torch's FlopCounterMode (matmuls, attention).
+    from torch.utils.flop_counter import FlopCounterMode
+
+    step, flops = step_calibrate.layer_step(step_check.CHECK_MODEL)
+    with FlopCounterMode(display=False) as counter:
+        step()
+    assert counter.get_total_flops() == pytest.approx(flops, rel=0.01)
+
+
+def test_the_link_fit_keeps_the_small_messages_latency():
+    # 1 ms + bytes / 1 GB/s, 10% noise on the two larger messages: the relative fit keeps the
+    # small message (TP's all-reduce) within 10%; a plain least-squares line, which the large
+    # messages steer, misses it by 12% and the latency by 18%.
+    sizes = [196_608, 2**20, 2**23]
+    seconds = [1e-3 + sizes[0] / 1e9, 0.9 * (1e-3 + sizes[1] / 1e9), 1.1 * (1e-3 + sizes[2] / 1e9)]
+    latency, bandwidth = step_calibrate._fit(sizes, seconds)
+    assert latency + sizes[0] / bandwidth == pytest.approx(seconds[0], rel=0.1)
+    assert latency == pytest.approx(1e-3, rel=0.1)
 
 
 def test_cpu_ranks_predicted_within_the_bound():
