@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from mgtutor.measure.planner import Transformer
-from mgtutor.measure.step_time import Hardware, Link, compute_flops
+from mgtutor.measure.step_time import DDP_BUCKET_BYTES, Hardware, Link, compute_flops
 
 __all__ = ["CHECK_MODEL", "bare_matmul", "calibrate", "layer_step", "seconds_per_call"]
 
@@ -176,7 +176,7 @@ def calibrate(
         model: the shape whose layer step (and MLP product) is timed.
         sizes: message sizes in bytes of the all-reduce and send/recv fits; by default those a
             step of ``model`` sends: one micro-batch's activation (TP's all-reduces, the
-            pipeline's sends), 1 MiB and 8 MiB (towards DDP's buckets).
+            pipeline's sends), 1 MiB, and DDP's full gradient bucket.
         window: seconds each FLOP/s is averaged over.
         calls: all-reduces (and round trips) timed per message size.
         after_compute: time each call after a bare product on each rank, as a step meets its
@@ -197,7 +197,8 @@ def calibrate(
     if rate not in ("step", "matmul"):
         raise ValueError(f"rate must be 'step' or 'matmul', got {rate!r}")
     activation = 4 * model.micro_batch * model.seq_len * model.hidden
-    sizes = sizes or (activation, 1024 * _KIB, 8192 * _KIB)
+    bucket = min(DDP_BUCKET_BYTES, 4 * model.total)  # float32 gradients, DDP's bucket cap
+    sizes = sizes or (activation, 1024 * _KIB, bucket)
     own = pool is None
     pool = mgtutor.Pool(2) if own else pool
     try:
