@@ -26,7 +26,15 @@ from typing import Any
 from mgtutor.measure.planner import Transformer
 from mgtutor.measure.step_time import DDP_BUCKET_BYTES, Hardware, Link, compute_flops
 
-__all__ = ["CHECK_MODEL", "bare_matmul", "calibrate", "layer_step", "seconds_per_call"]
+__all__ = [
+    "CHECK_MODEL",
+    "bare_matmul",
+    "calibrate",
+    "layer_step",
+    "seconds_per_call",
+    "small_calls",
+    "with_latencies",
+]
 
 #: The model every configuration of the check trains: 2 GPT layers (:class:`~mgtutor.parallel.
 #: gpt_layer.GPTLayer`, no dropout), small enough that a step takes a tenth of a second on one
@@ -115,6 +123,56 @@ def _mean_seconds(fn: Any, calls: int, work: Any = None) -> float:
     return total / calls
 
 
+def _ping(t: Any, rank: int) -> None:
+    """Rank 0 sends ``t`` to rank 1, which sends it back: two sends."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.send(t, 1)
+        dist.recv(t, 1)
+    else:
+        dist.recv(t, 0)
+        dist.send(t, 0)
+
+
+def small_calls(model: Transformer) -> dict[str, Any]:
+    """Timers of the smallest collectives a step of ``model`` sends on 2 ranks, one
+    micro-batch's activation: ``"all_reduce"`` (tensor parallelism's) and ``"send"`` (the
+    pipeline's). Each timer takes a call count (every rank the same) and returns the mean
+    seconds of one call, each after a bare product on every rank, as :func:`calibrate` times
+    them."""
+    import torch
+    import torch.distributed as dist
+
+    t = torch.zeros(model.micro_batch * model.seq_len * model.hidden)
+    work, rank = bare_matmul(model)[0], dist.get_rank()
+    dist.all_reduce(t)
+    _ping(t, rank)
+    return {
+        "all_reduce": lambda calls: _mean_seconds(lambda: dist.all_reduce(t), calls, work),
+        "send": lambda calls: _mean_seconds(lambda: _ping(t, rank), calls, work) / 2,
+    }
+
+
+def with_latencies(hardware: Hardware, model: Transformer, seconds: dict[str, float]) -> Hardware:
+    """``hardware`` with its links' per-call latencies re-read from ``seconds`` (as
+    :func:`small_calls` measures them: one call of a micro-batch's activation) less that
+    message's bytes over the link's bandwidth; the bandwidths stay."""
+    size = 4 * model.micro_batch * model.seq_len * model.hidden
+    link = hardware.intra
+    p2p_bandwidth = link.p2p_bandwidth or link.bandwidth
+    link = replace(
+        link,
+        latency=max(seconds.get("all_reduce", 0.0) - size / link.bandwidth, 0.0)
+        if "all_reduce" in seconds
+        else link.latency,
+        p2p_latency=max(seconds["send"] - size / p2p_bandwidth, 0.0)
+        if "send" in seconds
+        else link.p2p_latency,
+    )
+    return replace(hardware, intra=link, inter=link)
+
+
 def _calibrate_rank(
     model: Transformer, sizes: list[int], window: float, calls: int, after_compute: bool
 ) -> dict:
@@ -144,13 +202,8 @@ def _calibrate_rank(
         dist.barrier()
         reduce_s.append(_mean_seconds(lambda t=t: dist.all_reduce(t), calls, work))
 
-        def ping(t: torch.Tensor = t) -> None:  # rank 0 sends, rank 1 receives, then back
-            if rank == 0:
-                dist.send(t, 1)
-                dist.recv(t, 1)
-            else:
-                dist.recv(t, 0)
-                dist.send(t, 0)
+        def ping(t: torch.Tensor = t) -> None:
+            _ping(t, rank)
 
         ping()
         dist.barrier()

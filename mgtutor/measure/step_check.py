@@ -17,6 +17,7 @@ so a measured step carries that machine's load; read the spread.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -29,6 +30,8 @@ from mgtutor.measure.step_calibrate import (
     calibrate,
     layer_step,
     seconds_per_call,
+    small_calls,
+    with_latencies,
 )
 from mgtutor.measure.step_time import Hardware, StepTime, step_time
 
@@ -137,10 +140,12 @@ def _build(name: str, model: Transformer) -> Any:
 
 
 def _measure_rank(
-    name: str, steps: int, model: Transformer, rate: str, window: float
-) -> tuple[list[float], float]:
-    """Seconds of each of ``steps`` steps on this rank, each started together (a barrier), and
-    the FLOP/s of ``rate`` (as :func:`calibrate`'s) timed just before each step."""
+    name: str, steps: int, model: Transformer, rate: str, window: float, calls: int
+) -> tuple[list[float], list[float], dict[str, list[float]]]:
+    """Seconds of each of ``steps`` steps on this rank, each started together (a barrier); the
+    FLOP/s of ``rate`` (as :func:`calibrate`'s) timed just before each step; and, on 2 ranks,
+    the seconds of one all-reduce and one send of a micro-batch's activation, each after a
+    stretch of compute (as :func:`calibrate` times them), also just before each step."""
     import torch.distributed as dist
 
     import mgtutor
@@ -150,23 +155,27 @@ def _measure_rank(
     step = _build(name, model)
     step()  # warm-up: DDP's buckets, the pipeline's shapes, the allocator
     timed, flops = (layer_step if rate == "step" else bare_matmul)(model)
+    small = small_calls(model) if together else {}
     times, rates = [], []
+    calls_s: dict[str, list[float]] = {kind: [] for kind in small}
     for _ in range(steps):
         if together:
             dist.barrier()
         rates.append(flops / seconds_per_call(timed, window))
+        for kind, timer in small.items():
+            calls_s[kind].append(timer(calls))
         if together:
             dist.barrier()
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    return times, statistics.median(rates)
+    return times, rates, calls_s
 
 
 @dataclass(frozen=True)
 class Measured:
     """One configuration's measured step times (the slower rank's, per step) and its
-    predictions (one per round, at that round's FLOP/s)."""
+    predictions (one per step, at the FLOP/s and per-call latencies timed just before it)."""
 
     name: str
     predictions: list[StepTime]
@@ -174,7 +183,7 @@ class Measured:
 
     @property
     def predicted(self) -> StepTime:
-        """The round's prediction with the median total."""
+        """The prediction with the median total."""
         return sorted(self.predictions, key=lambda p: p.total)[len(self.predictions) // 2]
 
     @property
@@ -198,44 +207,73 @@ def check(
     configs: tuple[str, ...] = tuple(CONFIGS),
     rate: str = "step",
     window: float = 0.1,
+    calls: int = 5,
+    retime: bool = True,
+    min_seconds: float = 0.3,
 ) -> list[Measured]:
     """Predict each configuration on ``hardware``, then measure it on ``pool``'s 2 ranks.
 
-    The links are ``hardware``'s. The FLOP/s is measured again beside each configuration's
-    steps (as :func:`calibrate` did, just before each step, on the ranks that run it), since on
-    a shared machine the rate a rank gets changes from one second to the next; each round's
-    prediction uses that round's rate.
+    The links' bandwidths are ``hardware``'s. The FLOP/s, and on 2 ranks the seconds of one
+    all-reduce and one send of a micro-batch's activation (each after compute), are measured
+    again beside each configuration's steps (as :func:`calibrate` did, just before each step, on
+    the ranks that run it): on a shared machine what a rank gets changes from one second to the
+    next, and a small collective's time is mostly the wait for the later rank, which changes
+    with it. Each step's prediction uses the rate and per-call latencies timed before it.
 
     Args:
         pool: a :class:`mgtutor.Pool` of 2 ranks.
         hardware: from :func:`calibrate` on the same pool.
         rounds: rounds of measurement; each round runs every configuration once, in turn.
-        steps: timed steps per configuration per round (after one warm-up step).
+        steps: timed steps per configuration per round (after one warm-up step), at least;
+            a configuration predicted shorter gets more, to fill ``min_seconds``.
         model: the model trained.
         configs: the names in :data:`CONFIGS` to run.
         rate: the FLOP/s timed before each step, as given to :func:`calibrate`.
         window: seconds of it before each step.
+        calls: small collectives timed before each step (each kind).
+        retime: False keeps ``hardware``'s latencies for every round (the calibration's alone).
+        min_seconds: predicted seconds of steps per configuration per round, at least.
 
     Returns:
         One :class:`Measured` per configuration, in ``configs`` order.
     """
     seconds: dict[str, list[float]] = {name: [] for name in configs}
     predicted: dict[str, list[StepTime]] = {name: [] for name in configs}
+    expected = predict(hardware, model)
+    # A short step gets more of them: its median rests on as many seconds of steps as a long
+    # one's (tensor parallelism's 8 collectives a step each wait for the later rank, and on a
+    # shared machine that wait comes and goes from one step to the next).
+    count = {n: max(steps, math.ceil(min_seconds / expected[n].total)) for n in configs}
     for _ in range(rounds):
         for name in configs:
             ranks = [0] if CONFIGS[name][:3] == (1, 1, 1) else None
-            run = pool.run(_measure_rank, name, steps, model, rate, window, ranks=ranks, quiet=True)
+            run = pool.run(
+                _measure_rank,
+                name,
+                count[name],
+                model,
+                rate,
+                window,
+                calls,
+                ranks=ranks,
+                quiet=True,
+            )
             per_rank = [r for r in run.results if r is not None]
-            seconds[name] += [max(ts) for ts in zip(*(times for times, _ in per_rank))]
-            now = replace(hardware, flops={"fp32": min(rate for _, rate in per_rank)})
-            predicted[name].append(step_time(_plan_of(name, model), model, now))
+            for i in range(count[name]):  # each step, the slower rank's time and rate
+                seconds[name].append(max(r[0][i] for r in per_rank))
+                now = replace(hardware, flops={"fp32": min(r[1][i] for r in per_rank)})
+                if retime and per_rank[0][2]:
+                    calls_s = {k: max(r[2][k][i] for r in per_rank) for k in per_rank[0][2]}
+                    now = with_latencies(now, model, calls_s)
+                predicted[name].append(step_time(_plan_of(name, model), model, now))
     return [Measured(name, predicted[name], seconds[name]) for name in configs]
 
 
 def main() -> None:
-    """``python -m mgtutor.measure.step_check [rounds] [matmul] [back-to-back]``: calibrate,
-    predict, measure, print. ``matmul``: at a bare product's FLOP/s; ``back-to-back``: the
-    collectives timed back to back (each predicts too fast)."""
+    """``python -m mgtutor.measure.step_check [rounds] [matmul] [back-to-back]
+    [calibrated-latency]``: calibrate, predict, measure, print. ``matmul``: at a bare product's
+    FLOP/s; ``back-to-back``: the collectives timed back to back (each predicts too fast);
+    ``calibrated-latency``: every round at the calibration's per-call latencies, not re-timed."""
     import sys
 
     import mgtutor
@@ -243,6 +281,7 @@ def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
     rate = "matmul" if "matmul" in sys.argv[2:] else "step"
     apart = "back-to-back" not in sys.argv[2:]
+    retime = "calibrated-latency" not in sys.argv[2:]
     bound, why = tolerance()  # before the ranks add their own load
     with mgtutor.Pool(2) as pool:
         start = time.perf_counter()
@@ -251,7 +290,7 @@ def main() -> None:
             f"calibration {time.perf_counter() - start:.1f} s, FLOP/s of a {rate}, "
             + ("collectives after compute" if apart else "collectives back to back")
         )
-        measured = check(pool, hardware, rounds=rounds, rate=rate)
+        measured = check(pool, hardware, rounds=rounds, rate=rate, retime=retime)
     link, f = hardware.intra, hardware.flops
     print(
         f"a layer step {f['fp32'] / 1e9:.0f} GFLOP/s a rank with both busy, "
