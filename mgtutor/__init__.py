@@ -9,7 +9,8 @@ The workbook's helper package. Its folders, in the order the notebooks meet them
   between notebook and ranks, relaying output, supervision and clean-up.
 * :mod:`mgtutor.worker`: :func:`setup` joins the process group inside a worker (also under
   torchrun and SLURM); :func:`teardown` leaves it.
-* :mod:`mgtutor.errors`: :class:`WorkerError`, :class:`WorkerTimeout` and :class:`ArgumentError`.
+* :mod:`mgtutor.errors`: :class:`WorkerError`, :class:`WorkerTimeout`, :class:`WorkerInterrupted`
+  and :class:`ArgumentError`.
 * :mod:`mgtutor.measure`: what the ranks measure and how it is shown: :mod:`~.measure.timing`
   (:func:`phase`, :func:`step`, :class:`StepTimer`), :mod:`~.measure.memory` (what the
   per-rank memory figures count), :mod:`~.measure.breakdown` and :mod:`~.measure.memplan`
@@ -47,10 +48,11 @@ import os
 import sys
 
 from mgtutor.checkpoint import load_checkpoint, save_checkpoint
-from mgtutor.errors import ArgumentError, WorkerError, WorkerTimeout
+from mgtutor.errors import ArgumentError, WorkerError, WorkerInterrupted, WorkerTimeout
 from mgtutor.hardware import HardwareInfo, describe_hardware
 from mgtutor.interactive import Experiment
 from mgtutor.launcher.launch import launch
+from mgtutor.launcher.lifetime import shutdown
 from mgtutor.launcher.pool import Pool
 from mgtutor.measure.breakdown import MemoryBreakdown, track
 from mgtutor.measure.memory import MemoryStats
@@ -79,6 +81,7 @@ __all__ = [
     "Run",
     "StepTimer",
     "WorkerError",
+    "WorkerInterrupted",
     "WorkerTimeout",
     "backend_for",
     "convert_sync_batchnorm",
@@ -97,6 +100,7 @@ __all__ = [
     "reduce_sums",
     "save_checkpoint",
     "setup",
+    "shutdown",
     "step",
     "teardown",
     "timer",

@@ -236,10 +236,9 @@ def measure_allreduce(
 
 def plot_bandwidth(result: BandwidthResult) -> Figure:
     """algbw and busbw against message size (log-log), with the memory-copy line for reference."""
-    import matplotlib.pyplot as plt
+    from mgtutor.measure.figure import new_figure
 
-    fig = plt.figure(figsize=(7, 4), layout="constrained")
-    plt.close(fig)  # shown once as the returned value in a notebook, see mgtutor.measure.plots
+    fig = new_figure(7, 4)  # drawn once in a notebook however it is shown
     ax = fig.add_subplot()
     sizes = [p.size for p in result.points]
     ax.plot(sizes, [p.algbw / 1e9 for p in result.points], "o-", label="algorithm bandwidth S/t")

@@ -18,7 +18,14 @@ import os
 import pickle
 from typing import Any
 
-__all__ = ["ArgumentError", "WorkerError", "WorkerTimeout", "PicklingError", "FULL_TRACEBACK_ENV"]
+__all__ = [
+    "ArgumentError",
+    "WorkerError",
+    "WorkerTimeout",
+    "WorkerInterrupted",
+    "PicklingError",
+    "FULL_TRACEBACK_ENV",
+]
 
 FULL_TRACEBACK_ENV = "MGTUTOR_FULL_TRACEBACK"
 _HOW_TO_SEE_ALL = (
@@ -160,19 +167,8 @@ class WorkerError(_MessageFirst, RuntimeError):
         self.original = original
         super().__init__(self._compose())
 
-    def _lead(self) -> list[str]:
-        """The doctor's finding first, when it found something; then the summary."""
-        found = self.diagnosis
-        if found is None or found.kind == "agree":
-            return [self.summary]
-        if found.kind not in _DESYNCS:
-            # A missing record (a rank that died) or no recorder: the summary says more.
-            return [self.summary, f"(The ranks' records of collectives: {found.summary}.)"]
-        details = [f"  {line}" for line in found.details]
-        return [found.summary, *details, self.summary]
-
     def _compose(self) -> str:
-        parts = self._lead()
+        parts = _lead(self.summary, self.diagnosis)
         if self.cleanup:
             parts.append(self.cleanup)
         if self.worker_traceback:
@@ -204,10 +200,68 @@ class WorkerTimeout(WorkerError):
         )
 
     def _compose(self) -> str:
-        parts = self._lead()
+        parts = _lead(self.summary, self.diagnosis)
         if self.cleanup:
             parts.append(self.cleanup)
-        for rank in self.running:
-            stack = self.stacks.get(rank, "").rstrip() or "  (no stack came back from this rank)"
-            parts.append(f"\nWhere rank {rank} was stuck (most recent call last):\n{stack}")
+        parts += _where(self.running, self.stacks, "was stuck")
         return "\n".join(parts)
+
+
+class WorkerInterrupted(KeyboardInterrupt):
+    """The cell was interrupted (Stop, Kernel > Interrupt, Ctrl+C) while ranks ran.
+
+    A :class:`KeyboardInterrupt`, so ``except KeyboardInterrupt`` catches it and ``except
+    Exception`` does not (an interrupt still stops a loop of launches). It opens, like a
+    timeout, with what the ranks' records of their collectives say (the rank that never reached
+    a collective its peers wait in), then says which ranks were stopped and where each was.
+
+    Attributes:
+        summary: what was interrupted, and what became of the ranks.
+        running: the ranks that had not finished when the cell was interrupted.
+        stacks: for each of those ranks, the Python stack it was in (empty where none came).
+        cleanup: a sentence saying which ranks were stopped ("" when a pool kept them).
+        diagnosis: what the ranks' records say (:class:`mgtutor.doctor.Diagnosis`), or None.
+    """
+
+    def __init__(
+        self,
+        summary: str,
+        *,
+        running: list[int],
+        stacks: dict[int, str],
+        cleanup: str = "",
+        diagnosis: Any = None,
+    ) -> None:
+        self.summary = summary
+        self.running = running
+        self.stacks = stacks
+        self.cleanup = cleanup
+        self.diagnosis = diagnosis
+        parts = _lead(summary, diagnosis)
+        if cleanup:
+            parts.append(cleanup)
+        parts += _where([r for r in running if r in stacks], stacks, "was")
+        super().__init__("\n".join(parts))
+
+    def _render_traceback_(self) -> list[str]:
+        return _render_message_first(self)
+
+
+def _lead(summary: str, found: Any) -> list[str]:
+    """The doctor's finding first, when it found something; then the summary."""
+    if found is None or found.kind == "agree":
+        return [summary]
+    if found.kind not in _DESYNCS:
+        # A missing record (a rank that died) or no recorder: the summary says more.
+        return [summary, f"(The ranks' records of collectives: {found.summary}.)"]
+    details = [f"  {line}" for line in found.details]
+    return [found.summary, *details, summary]
+
+
+def _where(ranks: list[int], stacks: dict[int, str], was: str) -> list[str]:
+    """Each rank's stack under a heading, in rank order."""
+    parts = []
+    for rank in ranks:
+        stack = stacks.get(rank, "").rstrip() or "  (no stack came back from this rank)"
+        parts.append(f"\nWhere rank {rank} {was} (most recent call last):\n{stack}")
+    return parts

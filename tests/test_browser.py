@@ -19,7 +19,13 @@ the learner sees: it must be the diagnosis or the message, not a frame of mgtuto
 A third runs notebook 17's planner widget (its imports, draw_layout and widget cells only),
 picks a ZeRO stage and types a number of layers in the page as a learner does, and checks that
 the figure shown is, byte for byte, the PNG draw_layout gives for the values the controls show,
-and that no redraw leaves the figure's area empty (the page would flicker).
+and that no redraw leaves the figure's area empty (the page would flicker). Opened before it
+runs, the widget's place shows the first drawing stored with it.
+
+A fourth needs no JupyterLab: it renders the read-only site (tools/render_html.py) and opens
+every page from disk with the network closed (every request that is not a file aborted, and
+none may be attempted): math drawn as MathML with no raw TeX left, every image decoded, the
+planner widget's place showing its first drawing, and the index's titles with code as code.
 
 Screenshots go to results/browser/. With MGTUTOR_UPDATE_SCREENSHOT=1, 00_setup runs too and the
 screenshot of its progress bars and plot is copied to docs/workbook.png, the README's picture; a
@@ -41,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -274,7 +281,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
 
 
 @pytest.fixture(scope="module")
-def browser(lab: Lab):
+def chromium():
     sync_playwright = _browser_or_skip()
     RESULTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as playwright:
@@ -283,6 +290,12 @@ def browser(lab: Lab):
             yield chromium
         finally:
             chromium.close()
+
+
+@pytest.fixture(scope="module")
+def browser(lab: Lab, chromium):
+    """Chromium, with JupyterLab started for it."""
+    return chromium
 
 
 # --- reading the page -----------------------------------------------------------------------
@@ -709,6 +722,11 @@ WATCH_EMPTY_FIGURE_JS = f"""() => {{
       .observe(area, {{childList: true, subtree: true}});
 }}"""
 
+# Images drawn from the stored outputs, outside any widget (a notebook opened before it runs).
+STORED_IMAGES_JS = f"""() => Array.from({_PANEL}.querySelectorAll(
+    '.jp-OutputArea-output[data-mime-type="image/png"] img'))
+    .filter(e => !e.closest('.jupyter-widgets')).length"""
+
 NEW_FIGURE_JS = f"""(old) => {{ const now = ({PLANNER_JS})().src; return !!now && now !== old; }}"""
 
 
@@ -776,9 +794,11 @@ def test_planner_widget_redraws_what_a_learner_picks(lab: Lab, browser) -> None:
     page = context.new_page()
     try:
         _open(page, lab, notebook)
+        # Opened before it runs, the widget's place shows the first drawing stored with it
+        # (mgtutor's display_widget), not a line of text or ipywidgets' repr.
         stored = page.evaluate(OUTPUT_TEXTS_JS)
-        assert any(t.startswith("[the planner's controls") for t in stored), stored
         assert not _raw_reprs(stored), _raw_reprs(stored)
+        assert page.evaluate(STORED_IMAGES_JS) == 1, stored
         _menu(page, "Run", "runmenu:run-all")
         _wait_run_all(page)
         saved = _save_and_read(page, lab.root / notebook)
@@ -817,5 +837,115 @@ def test_planner_widget_redraws_what_a_learner_picks(lab: Lab, browser) -> None:
             page.screenshot(path=str(RESULTS / "planner-widget-failed.png"))
         print("JupyterLab log (tail):", lab.log_tail(), sep="\n")
         raise
+    finally:
+        context.close()
+
+
+# --- the read-only site, offline ---------------------------------------------------------------
+
+# What each page of the site shows, read in the page: math drawn as MathML (and any TeX left as
+# text), images decoded, the planner widget's place, the title.
+SITE_PAGE_JS = """async () => {
+  const prose = Array.from(document.querySelectorAll('.jp-RenderedMarkdown'));
+  const maths = prose.flatMap(p => Array.from(p.querySelectorAll('math')));
+  const leftover = prose.map(p => {
+    const copy = p.cloneNode(true);
+    copy.querySelectorAll('code, pre, math').forEach(e => e.remove());
+    return copy.textContent;
+  }).join(' ');
+  const images = Array.from(document.images);
+  for (const img of images) {
+    if (!img.complete || img.naturalWidth === 0) { try { await img.decode(); } catch (e) {} }
+  }
+  const widgetCell = Array.from(document.querySelectorAll('.jp-CodeCell'))
+      .find(c => (c.querySelector('.jp-InputArea') || c).textContent.includes('display_widget('));
+  const widgetImages = widgetCell
+      ? Array.from(widgetCell.querySelectorAll('.jp-OutputArea-output img')) : [];
+  return {
+    title: document.title,
+    maths: maths.length,
+    mathml: maths.filter(m => m instanceof MathMLElement
+                         && m.getBoundingClientRect().width > 0).length,
+    dollars: (leftover.match(/\\$/g) || []).length,
+    images: images.length,
+    undecoded: images.filter(i => i.naturalWidth === 0).length,
+    widget: widgetCell ? widgetCell.querySelector('.jp-OutputArea').textContent.trim() : null,
+    widgetImages: widgetImages.filter(i => i.naturalWidth > 0).length,
+  };
+}"""
+
+INDEX_JS = """() => Array.from(document.querySelectorAll('li')).map(li => ({
+  text: li.textContent, code: Array.from(li.querySelectorAll('code')).map(c => c.textContent),
+}))"""
+
+
+def _render_html_module():
+    import importlib.util
+
+    pytest.importorskip("nbconvert")
+    pytest.importorskip(
+        "latex2mathml", reason="the site's math needs latex2mathml: pip install -r requirements.txt"
+    )
+    spec = importlib.util.spec_from_file_location("render_html", REPO / "tools" / "render_html.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _has_tex(notebook: Path) -> bool:
+    """Whether a notebook's Markdown holds math: a $ outside code blocks and code spans."""
+    nb = json.loads(notebook.read_text(encoding="utf-8"))
+    prose = "".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown")
+    prose = re.sub(r"```.*?```", "", prose, flags=re.DOTALL)
+    return "$" in re.sub(r"`[^`]*`", "", prose)
+
+
+def test_the_read_only_site_reads_offline(chromium, tmp_path: Path) -> None:
+    # tools/render_html.py's pages, opened from disk with every request that is not a file
+    # closed: none may be attempted, the math must be drawn (MathML, no raw TeX), every figure
+    # decoded, the planner widget's place must show its first drawing, and the index's titles
+    # their code as code.
+    render_html = _render_html_module()
+    site = tmp_path / "site"
+    assert render_html.main(["-o", str(site)]) == 0
+    notebooks = sorted(NOTEBOOKS.glob("*.ipynb"))
+    context = chromium.new_context(viewport=VIEWPORT)
+    attempted: list[str] = []
+
+    def close_the_network(route) -> None:
+        attempted.append(route.request.url)
+        route.abort()
+
+    # file:// pages and their data: images never reach a route; anything else would.
+    context.route(re.compile(r"^(?!file:|data:)"), close_the_network)
+    context.on(
+        "request",
+        lambda r: None if r.url.startswith(("file:", "data:")) else attempted.append(r.url),
+    )
+    page = context.new_page()
+    try:
+        page.goto((site / "index.html").as_uri())
+        titles = page.evaluate(INDEX_JS)
+        assert len(titles) == len(notebooks), titles
+        assert not [t["text"] for t in titles if "`" in t["text"]], titles
+        assert ["mgtutor.Pool", "%%ddp"] in [t["code"] for t in titles], titles
+        shown = {}
+        for notebook in notebooks:
+            page.goto((site / f"{notebook.stem}.html").as_uri(), wait_until="load")
+            shown[notebook.stem] = state = page.evaluate(SITE_PAGE_JS)
+            assert "`" not in state["title"], state
+            assert state["dollars"] == 0, f"raw TeX left in {notebook.name}: {state}"
+            assert state["mathml"] == state["maths"], f"math not drawn in {notebook.name}: {state}"
+            assert (state["maths"] > 0) == _has_tex(notebook), f"{notebook.name}: {state}"
+            assert state["undecoded"] == 0, f"images not drawn in {notebook.name}: {state}"
+        planner = shown["17_planning_layouts"]
+        assert planner["widgetImages"] == 1 and not planner["widget"], planner
+        page.goto((site / "17_planning_layouts.html").as_uri())
+        page.locator(".jp-CodeCell", has_text="display_widget(").locator(
+            "img"
+        ).first.scroll_into_view_if_needed()
+        page.screenshot(path=str(RESULTS / "site-planner.png"), full_page=False)
+        assert not attempted, f"the site asked the network for: {sorted(set(attempted))[:10]}"
+        print("site offline:", {k: (v["maths"], v["images"]) for k, v in shown.items()})
     finally:
         context.close()

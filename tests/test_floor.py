@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Left out of the package's floor environment: the notebooks and the browser test do not run
 # there, and mgtutor itself is installed on its own (--no-deps -e .).
-NOT_ON_FLOOR = {"torch", "torchvision", "jupyterlab", "playwright"}
+NOT_ON_FLOOR = {"torch", "torchvision", "jupyterlab", "playwright", "latex2mathml"}
 
 
 def _requirements() -> dict[str, str]:

@@ -22,6 +22,7 @@ from typing import Any
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"]
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CELL_FILE = re.compile(r"ipykernel_\d+[/\\]\d+\.py$")
+_DDP_CELL_FILE = re.compile(r"^<ddp-cell-\d+>$")  # a %%ddp cell's code (launcher.magic)
 _C10D_FILE = os.path.join("distributed", "distributed_c10d.py")
 
 
@@ -54,7 +55,9 @@ def user_frame(frames: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The innermost frame outside torch, the standard library and mgtutor: the caller's."""
     for frame in frames:
         filename = frame.get("filename", "")
-        if filename.startswith((_TORCH_DIR, _STDLIB_DIR, _PACKAGE_DIR)) or filename.startswith("<"):
+        if filename.startswith((_TORCH_DIR, _STDLIB_DIR, _PACKAGE_DIR)) or (
+            filename.startswith("<") and not _DDP_CELL_FILE.match(filename)
+        ):
             continue
         return frame
     return None
@@ -65,6 +68,8 @@ def where(frame: dict[str, Any] | None) -> str:
     if frame is None:
         return ""
     filename, line, name = frame.get("filename", "?"), frame.get("line", "?"), frame.get("name")
+    if _DDP_CELL_FILE.match(filename):
+        return f"cell line {line}" + (f", in {name}" if name != "<module>" else "")
     place = f"cell line {line}" if _CELL_FILE.search(filename) else f"{filename}:{line}"
     return f"{place}, in {name}"
 

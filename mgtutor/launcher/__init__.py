@@ -12,10 +12,13 @@ Public: :func:`~mgtutor.launcher.launch.launch` (run a function once on every ra
 * :mod:`._messages`: the typed messages between the notebook and its ranks.
 * :mod:`._channel`: the ranks' side channel for progress and records.
 * :mod:`._rank`: a rank's loop: receive a call, run it, reply.
+* :mod:`._result`: what a rank says when fn's result cannot be pickled back.
 * :mod:`._handle`: the notebook's view of one rank process.
 * :mod:`._watch`: listening to every rank at once: answers, output, progress, exits.
 * :mod:`._relay`: each rank's output, relayed to the cell line by line.
 * :mod:`._supervise`: deciding when a call has ended, failed or hung, and what to stop.
+* :mod:`._interrupted`: Stop on a running call: where the ranks were, what is stopped.
 * :mod:`._report`: the error a learner reads: what happened, the hints, the ranks' stacks.
 * :mod:`._cleanup`: stopping every process of a launch, whatever happened.
+* :mod:`.lifetime`: the idle timeout that frees idle ranks and the server; ``shutdown()``.
 """

@@ -10,6 +10,7 @@ notebook be killed before it closed its pool.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -103,10 +104,7 @@ def stop_all(
         if h is primary or h in alive:
             continue
         if h.error is not None:
-            notes.append(
-                f"rank {h.rank} had already failed ({h.error.exc_type}: "
-                f"{_first_line(h.error.message)})"
-            )
+            notes.append(failed_note(h, primary))
         elif h.done is not None:
             notes.append(f"rank {h.rank} had finished")
     stopped = "Cleanup: " + "; ".join(notes) + "." if notes else ""
@@ -212,8 +210,25 @@ def _still_running(process: Any) -> bool:
         return False
 
 
+def failed_note(h: RankHandle, primary: RankHandle | None) -> str:
+    """What the cleanup sentence says of a rank that had failed before it was stopped.
+
+    Failing after the rank the error is about, it most often failed because of it (gloo's
+    "Connection closed by peer" when that rank's process ended): it is said to be a consequence.
+    """
+    error = h.error
+    assert error is not None
+    after = primary is not None and (h.failed_at or 0.0) > (primary.failed_at or 0.0)
+    how = f"then failed, a consequence of rank {primary.rank}'s failure" if after else ""
+    said = f"{error.exc_type}: {_first_line(error.message)}"
+    return f"rank {h.rank} {how or 'had already failed'} ({said})"
+
+
 def _first_line(text: str) -> str:
+    """The message's first sentence (gloo adds advice and an emoji after it), at most 120 chars."""
     line = text.strip().splitlines()[0] if text.strip() else ""
+    sentence = re.match(r"(.*?[.!?])(?=\s)", line)
+    line = sentence.group(1) if sentence else line
     return line if len(line) <= 120 else line[:117] + "..."
 
 

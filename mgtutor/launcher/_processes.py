@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mgtutor.errors import ArgumentError
+from mgtutor.launcher import lifetime
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._messages import Context
 from mgtutor.launcher._rank import RankSpec, die_with_parent, rank_main
@@ -283,11 +284,9 @@ def start_rank(
 def start_server_early() -> None:
     """Start the forkserver now, in the background, unless one runs already.
 
-    The server's imports (torch, torch._dynamo, mgtutor's rank code: several seconds on a small
-    machine) then run while the notebook does its own first cells, on another core, instead of
-    delaying the first launch. Nothing waits here: multiprocessing connects to the server at the
-    first launch (which waits for the imports only if they are not done). The server ends with
-    this process (see :func:`_ensure_server`).
+    Its imports (torch, torch._dynamo, mgtutor's rank code: seconds on a small machine) then
+    run on another core during the notebook's first cells; the first launch waits for them only
+    if they are not done. It ends with this process, or once idle (:mod:`.lifetime`).
     """
     import multiprocessing
 
@@ -307,19 +306,20 @@ def _ensure_server() -> None:
     with the notebook: the kernel kills it when the thread that started it ends, which for the
     main thread is when the process ends. Started from another thread (which may end first),
     the server is not tied, and ends as multiprocessing's servers do, once no process that may
-    use it is left.
+    use it is left (its "alive" pipe from this process closes: the fallback without Linux).
     """
     import threading
     from multiprocessing import forkserver
 
-    if threading.current_thread() is not threading.main_thread():
-        forkserver.ensure_running()
-        return
-    os.environ[_SERVER_PARENT_ENV] = str(os.getpid())
-    try:
-        forkserver.ensure_running()
-    finally:
-        os.environ.pop(_SERVER_PARENT_ENV, None)
+    with lifetime.server_starts():  # says so if the idle timeout had stopped it
+        if threading.current_thread() is not threading.main_thread():
+            forkserver.ensure_running()
+            return
+        os.environ[_SERVER_PARENT_ENV] = str(os.getpid())
+        try:
+            forkserver.ensure_running()
+        finally:
+            os.environ.pop(_SERVER_PARENT_ENV, None)
 
 
 def _die_with_the_notebook_if_server() -> None:

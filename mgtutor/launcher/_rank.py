@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from mgtutor.launcher import _channel, _cleanup, _namespace, _send
+from mgtutor.launcher import _channel, _cleanup, _namespace, _result, _send
 from mgtutor.launcher._messages import Call, Context, Done, Exit, Failed, Hello, Ready
 from mgtutor.worker import current_backend, current_device, guard_destroy, setup, teardown
 
@@ -326,7 +326,12 @@ def _measured_call(fn: Any, args: tuple, kwargs: dict, call: Call, spec: RankSpe
             teardown()
         blob = _send.dumps_on_cpu(result)
     except BaseException as exc:
-        return _failure(exc, "finished, but its result could not be sent back", call.call)
+        sent = "finished, but its result could not be sent back"
+        if not isinstance(exc, Exception) or not _send._fails(result):
+            return _failure(exc, sent, call.call)
+        message, where = _result.why_unsendable(fn, result, exc)  # not cloudpickle's frames
+        exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+        return Failed(call.call, exc_type, message, where, None, sent, time.perf_counter())
     return Done(call.call, blob, record)
 
 

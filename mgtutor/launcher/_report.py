@@ -19,7 +19,7 @@ from mgtutor.errors import WorkerError
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._messages import Failed
 
-__all__ = ["Wording", "describe", "diagnose", "format_stack", "with_note"]
+__all__ = ["Wording", "describe", "diagnose", "format_stack", "ranks_named", "with_note"]
 
 _MAX_FRAMES = 16
 
@@ -148,7 +148,15 @@ def describe(h: RankHandle, cleanup: str, diagnosis: Any = None) -> WorkerError:
                 original = cloudpickle.loads(error.original)
             except Exception:
                 original = None
-        if error.context == "raised":
+        consequence = _consequence(h.rank, diagnosis)
+        if consequence is not None:
+            # The diagnosis above names the cause; this rank's error (gloo's "Connection closed
+            # by peer", its advice and its emoji) is what the cause did to it: its first sentence.
+            summary = (
+                f"rank {h.rank} ({consequence}) {error.context} {error.exc_type}: "
+                f"{_first_sentence(error.message)}"
+            )
+        elif error.context == "raised":
             summary = f"rank {h.rank} raised {error.exc_type}: {error.message}"
             if _NO_GROUP in error.message:
                 summary += _NO_GROUP_HINT
@@ -191,6 +199,43 @@ def describe(h: RankHandle, cleanup: str, diagnosis: Any = None) -> WorkerError:
             f"(os._exit, or a failure while the worker started; its last output is above)."
         )
     return WorkerError(summary, rank=h.rank, exitcode=code, cleanup=cleanup, diagnosis=diagnosis)
+
+
+# The doctor's findings that name a rank that did not reach a collective its peers were in: an
+# error a peer then met in that collective is a consequence.
+_LEFT_BEHIND = {"raised": "raised", "finished": "returned", "behind": "never reached it"}
+
+
+def _consequence(rank: int, diagnosis: Any) -> str | None:
+    """Why ``rank``'s error follows from another's, when the doctor blames that other rank.
+
+    For example "a consequence: its peer, rank 1, returned"; None when the doctor blames no
+    other rank (or says nothing).
+    """
+    kind = getattr(diagnosis, "kind", None)
+    blamed = getattr(diagnosis, "ranks", None) or []
+    if kind not in _LEFT_BEHIND or not blamed or rank in blamed:
+        return None
+    peer = "its peer" if len(blamed) == 1 else "its peers"
+    return f"a consequence: {peer}, {ranks_named(blamed)}, {_LEFT_BEHIND[kind]}"
+
+
+def _first_sentence(message: str) -> str:
+    """The first sentence of an error message's first line (all of it when it has one)."""
+    line = (message.strip().splitlines() or [""])[0]
+    found = re.match(r"(.*?[.!?])(?=\s)", line)
+    return found.group(1) if found else line
+
+
+def ranks_named(ranks: list[Any]) -> str:
+    """Ranks (numbers or handles) as a phrase: "rank 0", "ranks 0, 2".
+
+    A bare list ("still running: 0") reads as a count of none.
+    """
+    numbers = [getattr(r, "rank", r) for r in ranks]
+    if len(numbers) == 1:
+        return f"rank {numbers[0]}"
+    return f"ranks {', '.join(map(str, numbers))}" if numbers else "no rank"
 
 
 def with_note(error: Failed, note: str) -> Failed:

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from typing import Any
 
 from mgtutor.errors import WorkerTimeout
-from mgtutor.launcher import _cleanup, _report
+from mgtutor.launcher import _cleanup, _interrupted, _report
 from mgtutor.launcher._handle import RankHandle
-from mgtutor.launcher._report import Wording
+from mgtutor.launcher._report import Wording, ranks_named
 from mgtutor.launcher._watch import _POLL_S, RankWatch, _ended
 from mgtutor.measure.progress import ProgressBoard
 
@@ -32,9 +31,6 @@ _STACK_WAIT_S = 2.0
 # After one rank of a pool raised, the others get this long to end the same call before the
 # pool concludes they wait for it in a collective and stops every rank.
 _PEER_GRACE_S = 3.0
-# After Ctrl+C, a pool's ranks get this long to stop fn (KeyboardInterrupt in each) before
-# they are stopped.
-_INTERRUPT_GRACE_S = 3.0
 
 
 class Supervisor(RankWatch):
@@ -79,8 +75,7 @@ class Supervisor(RankWatch):
                 if deadline is not None and time.monotonic() > deadline:
                     self._raise_timeout(self.handles, None, start_timeout, starting=True)
         except KeyboardInterrupt:
-            self._stop_on_interrupt()
-            raise
+            raise _interrupted.after_interrupt(self, self.handles, False, "starting") from None
 
     def run_call(
         self,
@@ -100,7 +95,8 @@ class Supervisor(RankWatch):
         Raises:
             WorkerError: a rank failed (see the module docstring for what is stopped).
             WorkerTimeout: a limit passed; every rank was stopped.
-            KeyboardInterrupt: the cell was interrupted.
+            WorkerInterrupted: the cell was interrupted (a KeyboardInterrupt); see
+                :mod:`._interrupted` for what is stopped.
         """
         self.board = board
         now = time.monotonic()
@@ -126,11 +122,7 @@ class Supervisor(RankWatch):
                 if not all_started and start_deadline is not None and now > start_deadline:
                     self._raise_timeout(targets, timeout, start_timeout, starting=True)
         except KeyboardInterrupt:
-            if keep and not self.stopped:
-                self._interrupt(targets)
-            else:
-                self._stop_on_interrupt()
-            raise
+            raise _interrupted.after_interrupt(self, targets, keep) from None
 
     # --- faults -----------------------------------------------------------------------------
 
@@ -182,7 +174,7 @@ class Supervisor(RankWatch):
         if stuck:
             diagnosis = _report.diagnose(self.handles, self.dump_paths, self.wording)
             stacks = self._stacks(stuck)
-            names = ", ".join(str(h.rank) for h in stuck)
+            they = "it waits" if len(stuck) == 1 else "they wait"
             cleanup = self._stop(primary=first)
             self._drain(_DRAIN_GRACE_S)
             where = "".join(
@@ -191,19 +183,19 @@ class Supervisor(RankWatch):
             )
             first.error = first.error and _report.with_note(
                 first.error,
-                f"Rank(s) {names} had not finished {_PEER_GRACE_S:g} s later: most likely they "
-                f"wait in a collective rank {first.rank} will never reach.{where}",
+                f"{ranks_named(stuck).capitalize()} had not finished {_PEER_GRACE_S:g} s later: "
+                f"most likely {they} in a collective rank {first.rank} will never reach.{where}",
             )
             return cleanup, diagnosis
         self._wait_relayed(targets)
         others = [h for h in targets if h is not first]
-        also = [str(h.rank) for h in others if h.error is not None]
-        fine = [str(h.rank) for h in others if h.done is not None]
+        also = [h for h in others if h.error is not None]
+        fine = [h for h in others if h.done is not None]
         parts = []
         if also:
-            parts.append(f"rank(s) {', '.join(also)} failed too")
+            parts.append(f"{ranks_named(also)} failed too")
         if fine:
-            parts.append(f"rank(s) {', '.join(fine)} finished the call")
+            parts.append(f"{ranks_named(fine)} finished the call")
         said = ("; ".join(parts) + ". ") if parts else ""
         return f"{said.capitalize()}{self.wording.kept} are kept, with what they hold.", None
 
@@ -223,24 +215,21 @@ class Supervisor(RankWatch):
         self._drain(_DRAIN_GRACE_S)
         if self.board is not None:
             self.board.finish(running[0].rank if running else -1)
-        names = ", ".join(str(h.rank) for h in running) or "none"
         if starting:
-            waiting = ", ".join(
-                str(h.rank) for h in targets if not (h.check_started() or (h.ready and h.call == 0))
-            )
+            waiting = [h for h in targets if not (h.check_started() or (h.ready and h.call == 0))]
             summary = (
-                f"Ranks {waiting} had not started after start_timeout={start_timeout:g} s "
-                f"(starting Python, importing, joining the group, unpickling "
-                f"{self.wording.sent}); every rank was stopped. The stacks below show where they "
-                f"were. On a slow or busy machine, or with torch on a network file system, pass a "
-                f"larger start_timeout (or None for no limit)."
+                f"{ranks_named(waiting).capitalize()} had not started after "
+                f"start_timeout={start_timeout:g} s (starting Python, importing, joining the "
+                f"group, unpickling {self.wording.sent}); every rank was stopped. The stacks "
+                f"below show where they were. On a slow or busy machine, or with torch on a "
+                f"network file system, pass a larger start_timeout (or None for no limit)."
             )
         else:
             summary = (
-                f"{self.wording.work} ran past its timeout of {timeout:g} s; ranks still "
-                f"running: {names}. A rank that waits in a collective (all_reduce, barrier, "
-                f"...) that another rank never calls waits until it is stopped: look at the "
-                f"stacks below."
+                f"{self.wording.work} ran past its timeout of {timeout:g} s; still running: "
+                f"{ranks_named(running) if running else 'none'}. A rank that waits in a "
+                f"collective (all_reduce, barrier, ...) that another rank never calls waits "
+                f"until it is stopped: look at the stacks below."
             )
         raise WorkerTimeout(
             summary,
@@ -268,42 +257,6 @@ class Supervisor(RankWatch):
             if all(h.output.diag for h in ranks) and not grew:
                 break
         return {h.rank: _report.format_stack(bytes(h.output.diag), h.main_ident) for h in ranks}
-
-    def _interrupt(self, targets: list[RankHandle]) -> None:
-        """Ctrl+C in a pool: interrupt fn on every rank; stop them all if that fails."""
-        busy = [h for h in targets if not h.answered]
-        for h in busy:
-            try:
-                os.kill(h.process.pid, signal.SIGINT)
-            except (ProcessLookupError, TypeError):
-                pass
-        try:
-            self._wait_answered(targets, _INTERRUPT_GRACE_S)
-        except KeyboardInterrupt:
-            pass  # pressed again: stop them below
-        stuck = [h for h in targets if not h.answered]
-        died = [h for h in self.handles if h.failed_at is not None and h.error is None]
-        if stuck or died:
-            names = ", ".join(str(h.rank) for h in stuck + died)
-            cleanup = self._stop()
-            self._drain(0.2)
-            message = (
-                f"Interrupted. Rank(s) {names} did not stop fn within {_INTERRUPT_GRACE_S:g} s "
-                f"(native code such as a collective cannot be interrupted). {cleanup}"
-            )
-        else:
-            self._wait_relayed(targets)
-            message = "Interrupted: fn stopped on every rank; the pool's ranks are kept."
-        if self.board is not None:
-            self.board.finish(-1)
-        print(message, file=sys.stderr, flush=True)
-
-    def _stop_on_interrupt(self) -> None:
-        cleanup = self._stop()
-        self._drain(0.2)
-        print(f"Interrupted. {cleanup}", file=sys.stderr, flush=True)
-        if self.board is not None:
-            self.board.finish(-1)
 
     # --- the end ----------------------------------------------------------------------------
 
@@ -350,8 +303,7 @@ class Supervisor(RankWatch):
                 self._drain(_DRAIN_GRACE_S)
                 _cleanup.stop_leftovers(self.handles)
             except KeyboardInterrupt:
-                self._stop_on_interrupt()
-                raise
+                raise _interrupted.after_interrupt(self, started, False, "exiting") from None
             finally:
                 self._close_pipes()
             return

@@ -89,6 +89,8 @@ def launch(
     Raises:
         WorkerError: a rank raised, exited early or was killed; the other ranks were stopped.
         WorkerTimeout: ``timeout`` or ``start_timeout`` passed; every rank was stopped.
+        WorkerInterrupted: the cell was interrupted (a KeyboardInterrupt); every rank was
+            stopped, and the error says where each was and which one the others waited for.
         pickle.PicklingError: fn or an argument cannot be sent to a worker (nothing started).
         ValueError, TypeError: bad arguments (nothing started).
 

@@ -63,7 +63,8 @@ notebook otherwise; the notebook says when one of its values was not used for th
 An exception on one rank is reported with that rank's traceback. If the other ranks finish the
 cell, the pool is kept; if they wait for the failed rank in a collective, every rank is stopped
 and the next cell starts new ones. Ctrl+C (interrupt the kernel) interrupts the cell on every
-rank; ranks blocked in a collective cannot be interrupted and are stopped instead.
+rank; ranks blocked in a collective cannot be interrupted and are stopped instead, and the error
+says which rank the others waited for and where each was.
 """
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from mgtutor.doctor import DUMP_PATH_ENV
 from mgtutor.errors import ArgumentError
-from mgtutor.launcher import _cleanup, _handle, _namespace, _payload, _processes, _send
+from mgtutor.launcher import _cleanup, _handle, _namespace, _payload, _processes, _send, lifetime
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._messages import Call, Exit
 from mgtutor.launcher._report import Wording
@@ -85,6 +85,9 @@ class Pool:
         start_method: "forkserver" (the default) or "spawn", as for :func:`mgtutor.launch`.
         join_group: join the default process group once at the start (the default); False
             leaves it to the functions run, as :func:`mgtutor.launch` does.
+        idle_timeout: seconds without a call after which the ranks are stopped, to free their
+            memory (the next call starts new ones, without what they held, and says so); the
+            default is ``MGTUTOR_IDLE_TIMEOUT``, else 600; None: never (:mod:`.lifetime`).
 
     Raises:
         ValueError, TypeError: bad arguments (nothing started).
@@ -106,6 +109,7 @@ class Pool:
         start_timeout: float | None = 300.0,
         start_method: str | None = None,
         join_group: bool = True,
+        idle_timeout: float | None | str = lifetime.FROM_ENVIRONMENT,
         _one_call: bool = False,
         _wording: Wording | None = None,
     ) -> None:
@@ -133,11 +137,14 @@ class Pool:
         # Where each relayed line goes instead of the cell during a call
         # (``sink(rank, stream, text)``): %%ddp's per-rank tabs.
         self._sink: Callable[[int, str, str], None] | None = None
+        if not _one_call:
+            lifetime.watch(self, idle_timeout)
         self._start()
         _open_pools.add(self)
 
     # --- starting and stopping --------------------------------------------------------------
 
+    @lifetime.keeps_busy
     def _start(self) -> None:
         self._store = _processes.host_store(self.world_size)
         common = _processes.worker_environment(self.world_size, self.backend, self._store.port)
@@ -184,6 +191,7 @@ class Pool:
                 self._store = None
                 shutil.rmtree(self._dump_dir, ignore_errors=True)
 
+    @lifetime.keeps_busy
     def close(self) -> None:
         """End every rank (each leaves the process group first) and free the store's port.
 
@@ -257,8 +265,9 @@ class Pool:
             WorkerError: a rank raised (the pool is kept when the other ranks finished the
                 call, and stopped when they did not), or died (the pool is stopped).
             WorkerTimeout: ``timeout`` passed; the pool's ranks were stopped.
-            KeyboardInterrupt: the cell was interrupted; fn is interrupted on every rank and
-                the pool kept, or the ranks stopped when they could not be interrupted.
+            WorkerInterrupted: the cell was interrupted (a KeyboardInterrupt); fn is interrupted
+                on every rank and the pool kept, or the ranks stopped when they could not be
+                interrupted. It opens with where the ranks were, as a timeout does.
         """
         if not callable(fn):
             raise ArgumentError(f"Pool.run needs a function to run on every rank, got {fn!r}")
@@ -267,6 +276,7 @@ class Pool:
         payload, reusable = _payload.shared.dumps(fn, args, kwargs)
         return self._call(payload, targets, timeout, quiet, reusable)
 
+    @lifetime.keeps_busy
     def _call(
         self,
         payload: bytes,
@@ -358,7 +368,8 @@ class Pool:
 
     def _restart_after_fault(self) -> None:
         print(
-            "mgtutor: the pool's ranks had been stopped (see the last error); starting new "
+            lifetime.pool_note(self, self._wording.kept)
+            or "mgtutor: the pool's ranks had been stopped (see the last error); starting new "
             "ones. What the old ranks held (models, optimizers, names) is gone.",
             flush=True,
         )

@@ -1,8 +1,9 @@
 """Plots of a launch: per-rank memory (and by category), a timeline of phases, step times, scaling.
 
-Each function returns the matplotlib Figure, so a notebook shows it by leaving it as the cell's
-last expression (or with ``plt.show()``), and a script can ``fig.savefig(...)``. matplotlib is
-imported inside the functions, so workers never pay for it.
+Each function returns a matplotlib Figure that a notebook draws exactly once, whichever way the
+cell shows it: as the cell's last value, assigned to a variable, followed by ``plt.show()`` or
+given to ``display`` (:mod:`mgtutor.measure.figure` says how); a script can ``fig.savefig(...)``.
+matplotlib is imported inside the functions, so workers never pay for it.
 """
 
 from __future__ import annotations
@@ -32,14 +33,9 @@ _PHASE_COLOURS = {
 
 
 def _new_figure(width: float, height: float) -> Figure:
-    import matplotlib.pyplot as plt
+    from mgtutor.measure.figure import new_figure
 
-    # Made through pyplot so that, in a notebook, the inline backend loads and IPython learns to
-    # show a returned Figure as an image; closed at once so pyplot does not show it a second
-    # time when the cell ends. The figure stays usable: display it, or fig.savefig(...).
-    fig = plt.figure(figsize=(width, height), layout="constrained")
-    plt.close(fig)
-    return fig
+    return new_figure(width, height)
 
 
 def plot_memory(run: Run) -> Figure:

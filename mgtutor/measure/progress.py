@@ -63,18 +63,37 @@ def _print_text(rank: int | None, step: int, total: int, desc: str, last: int | 
 
 
 def display_widget(widget: Any, text: str) -> None:
-    """Display ``widget`` with ``text`` as its plain-text form.
+    """Display ``widget`` with ``text`` as its plain-text form, and its first drawing if it has one.
 
     A notebook stores a display's text/plain as it was when shown, and shows it wherever the
     widget cannot be drawn: on a code host, in an untrusted notebook opened before it runs, in
     nbconvert's HTML. ipywidgets' own is the widget's repr (``VBox(children=(HBox(...``); this
-    line says what the widget is instead.
+    line says what the widget is instead. A widget that already holds a figure when shown (an
+    Output widget inside it, filled before the display, as notebook 17's planner draws its first
+    layout) stores that figure too, as the display's image/png: those places show the drawing,
+    while a running notebook draws the live widget.
     """
     from IPython.display import display
 
     bundle = widget._repr_mimebundle_()
     bundle["text/plain"] = text
+    image = _first_image(widget)
+    if image is not None:
+        bundle["image/png"] = image
     display(bundle, raw=True)
+
+
+def _first_image(widget: Any) -> str | None:
+    """The first PNG (base64, as stored) an Output widget in ``widget``'s tree holds, or None."""
+    for output in getattr(widget, "outputs", ()):
+        png = output.get("data", {}).get("image/png")
+        if png:
+            return png
+    for child in getattr(widget, "children", ()):
+        png = _first_image(child)
+        if png is not None:
+            return png
+    return None
 
 
 def _in_notebook() -> bool:

@@ -154,3 +154,30 @@ def test_stored_notebooks_show_no_raw_widget_repr_or_machine_paths() -> None:
                 found += [f"{path.name} cell {i}: {bad}" for bad in (*RAW_REPRS, "/work", "/tmp")
                           if bad in text]  # fmt: skip
     assert not found, "\n".join(found)
+
+
+def test_a_widget_holding_a_figure_stores_it_as_its_image(shown) -> None:
+    # Notebook 17's planner: controls and an Output widget that holds the first drawing when the
+    # widget is shown. The stored display carries that PNG for pages that cannot draw widgets.
+    import base64
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from IPython.core.pylabtools import print_figure
+
+    fig, ax = plt.subplots(figsize=(2, 1))
+    ax.bar([0, 1], [1, 2])
+    png = base64.b64encode(print_figure(fig, "png")).decode()
+    plt.close(fig)
+    area = ipywidgets.Output()
+    area.outputs = ({"output_type": "display_data", "data": {"image/png": png}, "metadata": {}},)
+    text = "[controls and their drawing]"
+    controls = ipywidgets.HBox([ipywidgets.IntSlider(), ipywidgets.Output()])
+    progress_module.display_widget(ipywidgets.VBox([controls, area]), text)
+    progress_module.display_widget(ipywidgets.VBox([controls, ipywidgets.Output()]), text)
+    drawn, empty = shown
+    assert drawn["image/png"] == png and drawn["text/plain"] == text
+    assert "application/vnd.jupyter.widget-view+json" in drawn
+    assert "image/png" not in empty and empty["text/plain"] == text
