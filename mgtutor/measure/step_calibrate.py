@@ -195,6 +195,12 @@ def _calibrate_rank(
     # compute ends, and the later one sets when the collective ends. Back to back they arrive
     # together, which no step does.
     work = bare_matmul(model)[0] if after_compute else None
+    # DDP's bucket copies (step_time's "copies"): the model's float32 gradients copied, on both
+    # ranks at once (larger than a cache, as a model's gradients are).
+    src = torch.randn(model.total)
+    dst = torch.empty_like(src)
+    dist.barrier()
+    copy_rate = 4 * model.total / seconds_per_call(lambda: dst.copy_(src), window / 2)
     reduce_s, send_s = [], []
     for size in sizes:
         t = torch.zeros(size // 4)
@@ -208,7 +214,7 @@ def _calibrate_rank(
         ping()
         dist.barrier()
         send_s.append(_mean_seconds(ping, calls, work) / 2)
-    return {"flops": flops, "all_reduce": reduce_s, "send": send_s}
+    return {"flops": flops, "all_reduce": reduce_s, "send": send_s, "copy": copy_rate}
 
 
 def calibrate(
@@ -242,7 +248,8 @@ def calibrate(
         ``flops["fp32_alone"]`` (rank 0 busy, rank 1 idle) of ``rate``; ``"matmul"`` and
         ``"matmul_alone"`` the bare product's for comparison; gloo's all-reduce as the link (a
         2-rank ring sends the whole buffer: 2(n-1)/n = 1) and send/recv as its point-to-point
-        figures, ``overlap=0`` (gloo reduces on the cores that compute).
+        figures, ``overlap=0`` (gloo reduces on the cores that compute), and ``copy``, the
+        slower rank's bytes/s copying the model's gradients while the other copies too.
     """
     import mgtutor
     from mgtutor.hardware import describe_hardware
@@ -282,6 +289,8 @@ def calibrate(
         gpus_per_node=2,
         memory=describe_hardware().memory_bytes // 2,
         overlap=0.0,
+        copy=min(r["copy"] for r in results),
         source=f"calibrate(): {rate} FLOP/s of {model}, on each rank at once and on rank 0 "
-        f"alone; gloo all_reduce and send/recv at {list(sizes)} bytes, relative least squares",
+        f"alone; gloo all_reduce and send/recv at {list(sizes)} bytes, relative least squares; "
+        "a copy of the float32 gradients on each rank at once",
     )

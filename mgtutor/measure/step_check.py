@@ -297,7 +297,7 @@ def main() -> None:
         f"{f['fp32_alone'] / 1e9:.0f} alone (a bare product {f['matmul'] / 1e9:.0f} and "
         f"{f['matmul_alone'] / 1e9:.0f}); all-reduce {link.latency * 1e6:.0f} us + bytes / "
         f"{link.bandwidth / 1e9:.2f} GB/s; send {link.p2p_latency * 1e6:.0f} us + bytes / "
-        f"{link.p2p_bandwidth / 1e9:.2f} GB/s"
+        f"{link.p2p_bandwidth / 1e9:.2f} GB/s; copy {hardware.copy / 1e9:.1f} GB/s"
     )
     for m in measured:
         print(

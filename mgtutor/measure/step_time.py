@@ -21,6 +21,13 @@ time. Every assumption is a parameter below, with its source:
 * The pipeline: each micro-batch's compute, TP collectives and stage-to-stage sends are
   stretched by the bubble (p-1)/(v·m + p-1) of the step (v model chunks per GPU: 1 for GPipe
   and 1F1B; Narayanan et al. section 2.2).
+* DDP's bucket copies: unless the gradients stay views into the buckets
+  (``gradient_as_bucket_view=True``, torch's default False, with ``zero_grad(set_to_none=False)``
+  so that the views survive the step), the reducer copies each gradient into its bucket before
+  the all-reduce and the bucket back into the gradient after it (torch 2.11-2.15,
+  include/torch/csrc/distributed/c10d/reducer.hpp: ``mark_variable_ready_dense``,
+  ``copy_bucket_to_grad``): twice the gradient bytes at the hardware's ``copy`` rate, on the
+  critical path. Counted where the hardware has a copy rate.
 * Overlap: data parallelism's gradient collectives hide behind backward except the last bucket
   (DDP: Li et al., "PyTorch Distributed", VLDB 2020, section 3.2.3); ZeRO-3's all-gathers are
   prefetched behind compute except the first unit's; ZeRO-1/2's parameter all-gather after the
@@ -97,6 +104,9 @@ class Hardware:
         memory: bytes of memory per GPU.
         overlap: the share of an overlappable collective that can hide behind compute.
         source: where each figure comes from.
+        copy: bytes/s of a memory-to-memory copy on one GPU (rank), both reading and writing;
+            None: not modelled (no figure quoted). DDP copies every gradient into its bucket
+            before the all-reduce and back after it (see :func:`step_time`).
     """
 
     name: str
@@ -107,6 +117,7 @@ class Hardware:
     memory: int
     overlap: float = 1.0
     source: str = ""
+    copy: float | None = None
 
 
 #: NVIDIA H100 SXM: 989 TFLOP/s dense bf16 peak (torchtitan's ``get_peak_flops``, from
@@ -147,7 +158,8 @@ class StepTime:
     """One step's predicted seconds, by part, for the busiest GPU.
 
     ``parts``: "compute", "tp", "pp" (sends), "bubble", "dp" (the exposed part of data
-    parallelism's collectives). ``hidden`` is what overlap hid. ``tokens`` is the tokens one
+    parallelism's collectives), and "copies" (DDP's bucket copies) where the hardware has a
+    copy rate. ``hidden`` is what overlap hid. ``tokens`` is the tokens one
     step trains over all GPUs.
     """
 
@@ -201,6 +213,7 @@ def step_time(
     recompute: str = "none",
     chunks: int = 1,
     bucket_bytes: int = DDP_BUCKET_BYTES,
+    bucket_view: bool = False,
 ) -> StepTime:
     """The predicted time of one optimizer step of ``plan`` on ``hardware``, split into parts.
 
@@ -212,6 +225,9 @@ def step_time(
             "full"); it adds compute here.
         chunks: model chunks per GPU of an interleaved pipeline schedule (v); 1 for GPipe/1F1B.
         bucket_bytes: DDP's bucket size; the last bucket's all-reduce cannot hide.
+        bucket_view: True where DDP's gradients stay views into its buckets
+            (``gradient_as_bucket_view=True`` and ``zero_grad(set_to_none=False)``): nothing is
+            copied.
 
     Returns:
         The :class:`StepTime`.
@@ -265,6 +281,8 @@ def step_time(
         "bubble": bubble_s,
         "dp": exposed + dp_exposed,
     }
+    if hardware.copy and plan.dp > 1 and plan.zero == 0 and not bucket_view:
+        parts["copies"] = 2 * plan.memory["gradients"] / hardware.copy  # into buckets and back
     names = {g: ("intra" if link is hardware.intra else "inter") for g, link in links.items()}
     return StepTime(parts, dp_overlappable - exposed, tokens, gpus, flops, names)
 

@@ -77,6 +77,18 @@ def test_ddp_hides_all_but_the_last_bucket_when_it_may_overlap():
     assert hidden.hidden == pytest.approx(allreduce - hidden.parts["dp"])
 
 
+def test_ddp_copies_its_gradients_twice_unless_they_stay_bucket_views():
+    p = plan(SMALL, 2, GB, dp=2, precision="fp32")
+    copying = Hardware(**{**ROUND.__dict__, "copy": 5e9})
+    t = step_time(p, SMALL, copying)
+    assert t.parts["copies"] == pytest.approx(2 * 4 * SMALL.total / 5e9)
+    assert "copies" not in step_time(p, SMALL, copying, bucket_view=True).parts
+    assert "copies" not in step_time(p, SMALL, ROUND).parts  # no copy rate: not modelled
+    # ZeRO's sharded optimizers reduce-scatter their own buffers: not DDP's reducer.
+    zero2 = plan(SMALL, 2, GB, dp=2, zero=2, precision="fp32")
+    assert "copies" not in step_time(zero2, SMALL, copying).parts
+
+
 def test_bubble_and_sends_by_hand():
     m = 4
     p = plan(SMALL, 2, GB, pp=2, micro_batches=m, precision="fp32")
@@ -167,3 +179,26 @@ def test_cpu_ranks_predicted_within_the_bound():
     assert calibration_s < 10
     report = "; ".join(f"{m.name}: {m.error:+.0%}" for m in measured)
     assert all(abs(m.error) <= bound for m in measured), f"{why}: {report}"
+
+
+def _ddp_grads_share_a_bucket(view: bool) -> bool:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    mgtutor.setup()
+    model = DistributedDataParallel(
+        torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)),
+        gradient_as_bucket_view=view,
+    )
+    for _ in range(2):  # the views are made on the first step; the second step keeps them
+        model.zero_grad(set_to_none=False)
+        model(torch.ones(2, 8)).sum().backward()
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    return len(storages) == 1
+
+
+def test_ddp_gradients_are_bucket_views_only_when_asked():
+    # step_time's "copies" term: by default each gradient is its own tensor, copied into the
+    # bucket and back; with gradient_as_bucket_view=True all four are views into one bucket.
+    assert mgtutor.launch(_ddp_grads_share_a_bucket, False, world_size=2).results == [False] * 2
+    assert mgtutor.launch(_ddp_grads_share_a_bucket, True, world_size=2).results == [True] * 2
