@@ -7,6 +7,10 @@
 * :mod:`.memplan`: the same categories computed ahead, per strategy (DDP, ZeRO-1, FSDP, TP).
 * :mod:`.planner`: a transformer's memory per GPU and communication per step, from published
   formulas, for any layout of data (ZeRO 0-3), tensor and pipeline parallelism.
+* :mod:`.step_time`: the planner's clock: a layout's predicted step time (compute, each
+  collective on its link, the bubble, overlap) on a :class:`~.step_time.Hardware`, and the
+  layouts ranked by it; :mod:`.step_calibrate` calibrates CPU ranks (achieved FLOP/s of a
+  layer step, gloo's links) and :mod:`.step_check` checks the clock against them.
 * :mod:`.plan_rules`: the planner's rules about what runs: TP and SP collectives per layer,
   the layouts torch refuses, the pipeline bubble and the ranking rule.
 * :mod:`.activation_plan`: the activations one layer keeps for backward, term by term

@@ -9,7 +9,7 @@ runs (``tests/measure/test_planner.py``):
   (and ``torch.utils.checkpoint`` around it for full recomputation).
 * :func:`refusal`: why torch does not run a layout, or None.
 * :func:`bubble` and :func:`bubble_scaled_bytes`, the rule :func:`~mgtutor.measure.planner.layouts`
-  ranks by (:data:`RANKING_RULE`). A time model (links, compute, overlap) would replace the key.
+  ranks by (:data:`RANKING_RULE`). :func:`mgtutor.measure.step_time.ranked` ranks by time instead.
 """
 
 from __future__ import annotations

@@ -1,0 +1,316 @@
+"""The step-time model against ranks it runs: calibrate this machine, predict, then measure.
+
+:func:`~mgtutor.measure.step_calibrate.calibrate` (re-exported here) measures this machine's
+2 CPU ranks as a :class:`~mgtutor.measure.step_time.Hardware`: the achieved FLOP/s of a layer's
+training step, gloo's all-reduce and send/recv as latency + bytes / bandwidth.
+
+:func:`check` predicts and measures the configurations of :data:`CONFIGS` on the same ranks:
+one process, DDP on 2 ranks, tensor parallelism on 2 ranks (:class:`~mgtutor.parallel.gpt_layer.
+ParallelGPTLayer`), and a 2-stage pipeline under torch's ``Schedule1F1B`` with 4 and 8
+micro-batches. Measurements are interleaved (every configuration once per round, several rounds)
+so that a change in the machine's load reaches every configuration alike.
+
+A step here is forward and backward (and DDP's gradient all-reduce), no optimizer: the model
+predicts neither. On a 2-core machine two ranks share the cores with everything else running,
+so a measured step carries that machine's load; read the spread.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+from mgtutor.measure.planner import Plan, Transformer, plan
+from mgtutor.measure.step_calibrate import (
+    CHECK_MODEL,
+    bare_matmul,
+    calibrate,
+    layer_step,
+    seconds_per_call,
+    small_calls,
+    with_latencies,
+)
+from mgtutor.measure.step_time import Hardware, StepTime, step_time
+
+__all__ = [
+    "CHECK_MODEL",
+    "CONFIGS",
+    "TOLERANCE",
+    "Measured",
+    "calibrate",
+    "check",
+    "predict",
+    "tolerance",
+]
+
+#: name: (dp, tp, pp, micro-batches); "one process" runs on one rank alone.
+CONFIGS: dict[str, tuple[int, int, int, int]] = {
+    "one process": (1, 1, 1, 1),
+    "DDP, 2 ranks": (2, 1, 1, 1),
+    "TP, 2 ranks": (1, 2, 1, 1),
+    "1F1B, 2 stages, 4 micro-batches": (1, 1, 2, 4),
+    "1F1B, 2 stages, 8 micro-batches": (1, 1, 2, 8),
+}
+
+#: How far a prediction may be from the measured median on a quiet machine (issue 35).
+TOLERANCE = 0.25
+#: The looser bound where other work is queued for the cores (load above the usable cores).
+LOADED_TOLERANCE = 0.5
+
+
+def tolerance() -> tuple[float, str]:
+    """The bound a check may assert here and why: :data:`TOLERANCE`, or
+    :data:`LOADED_TOLERANCE` while other work wants more than one core beyond the two the ranks
+    leave free (it then takes time slices from the ranks, unevenly from one step to the next).
+
+    Call it before the ranks start: the 1-minute load average counts the check's own two busy
+    ranks once they run, which would call every machine loaded.
+    """
+    import os
+
+    from mgtutor.hardware import usable_cores
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    if load > max(usable_cores() - 2, 0) + 1:
+        return LOADED_TOLERANCE, f"loaded machine (load {load:.1f} on {usable_cores()} cores)"
+    return TOLERANCE, f"quiet machine (load {load:.1f} on {usable_cores()} cores)"
+
+
+def _plan_of(name: str, model: Transformer = CHECK_MODEL) -> Plan:
+    dp, tp, pp, m = CONFIGS[name]
+    return plan(model, dp * tp * pp, 10**12, dp=dp, tp=tp, pp=pp, precision="fp32", micro_batches=m)
+
+
+def predict(hardware: Hardware, model: Transformer = CHECK_MODEL) -> dict[str, StepTime]:
+    """The model's step time of every configuration in :data:`CONFIGS` on ``hardware``.
+
+    One process runs at ``flops["fp32_alone"]`` where the hardware has it: on a CPU a rank
+    alone gets cores (and memory bandwidth) that two ranks share; a GPU has no such term.
+    """
+    alone = replace(
+        hardware, flops={"fp32": hardware.flops.get("fp32_alone", hardware.flops["fp32"])}
+    )
+    return {
+        name: step_time(
+            _plan_of(name, model), model, alone if CONFIGS[name][:3] == (1, 1, 1) else hardware
+        )
+        for name in CONFIGS
+    }
+
+
+def _build(name: str, model: Transformer) -> Any:
+    """A rank's step function for configuration ``name`` (built once per call)."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from mgtutor.parallel.gpt_layer import GPTLayer, ParallelGPTLayer
+
+    dp, tp, pp, m = CONFIGS[name]
+    torch.manual_seed(0)
+    layers = [GPTLayer(model.hidden, model.heads, p=0.0) for _ in range(model.layers)]
+    x = torch.randn(model.micro_batch * m, model.seq_len, model.hidden)
+    if pp > 1:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+        rank, per = dist.get_rank(), model.layers // pp
+        stage = PipelineStage(
+            torch.nn.Sequential(*layers[rank * per : (rank + 1) * per]),
+            rank,
+            pp,
+            torch.device("cpu"),
+        )
+        schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda out, _: out.pow(2).mean())
+        return (lambda: schedule.step(x)) if rank == 0 else (lambda: schedule.step(target=x))
+    if tp > 1:
+        module = torch.nn.Sequential(*(ParallelGPTLayer(layer) for layer in layers))
+    elif dp > 1:
+        module = DistributedDataParallel(torch.nn.Sequential(*layers))
+    else:
+        module = torch.nn.Sequential(*layers)
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        module(x).pow(2).mean().backward()
+
+    return step
+
+
+def _measure_rank(
+    name: str, steps: int, model: Transformer, rate: str, window: float, calls: int
+) -> tuple[list[float], list[float], dict[str, list[float]]]:
+    """Seconds of each of ``steps`` steps on this rank, each started together (a barrier); the
+    FLOP/s of ``rate`` (as :func:`calibrate`'s) timed just before each step; and, on 2 ranks,
+    the seconds of one all-reduce and one send of a micro-batch's activation, each after a
+    stretch of compute (as :func:`calibrate` times them), also just before each step."""
+    import torch.distributed as dist
+
+    import mgtutor
+
+    mgtutor.setup()
+    together = CONFIGS[name][:3] != (1, 1, 1)
+    step = _build(name, model)
+    step()  # warm-up: DDP's buckets, the pipeline's shapes, the allocator
+    timed, flops = (layer_step if rate == "step" else bare_matmul)(model)
+    small = small_calls(model) if together else {}
+    times, rates = [], []
+    calls_s: dict[str, list[float]] = {kind: [] for kind in small}
+    for _ in range(steps):
+        if together:
+            dist.barrier()
+        rates.append(flops / seconds_per_call(timed, window))
+        for kind, timer in small.items():
+            calls_s[kind].append(timer(calls))
+        if together:
+            dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times, rates, calls_s
+
+
+@dataclass(frozen=True)
+class Measured:
+    """One configuration's measured step times (the slower rank's, per step) and its
+    predictions (one per step, at the FLOP/s and per-call latencies timed just before it)."""
+
+    name: str
+    predictions: list[StepTime]
+    seconds: list[float]
+
+    @property
+    def predicted(self) -> StepTime:
+        """The prediction with the median total."""
+        return sorted(self.predictions, key=lambda p: p.total)[len(self.predictions) // 2]
+
+    @property
+    def median(self) -> float:
+        """The median measured step, in seconds."""
+        return statistics.median(self.seconds)
+
+    @property
+    def error(self) -> float:
+        """(predicted - measured median) / measured median."""
+        return (self.predicted.total - self.median) / self.median
+
+
+def check(
+    pool: Any,
+    hardware: Hardware,
+    *,
+    rounds: int = 3,
+    steps: int = 2,
+    model: Transformer = CHECK_MODEL,
+    configs: tuple[str, ...] = tuple(CONFIGS),
+    rate: str = "step",
+    window: float = 0.1,
+    calls: int = 5,
+    retime: bool = True,
+    min_seconds: float = 0.3,
+) -> list[Measured]:
+    """Predict each configuration on ``hardware``, then measure it on ``pool``'s 2 ranks.
+
+    The links' bandwidths are ``hardware``'s. The FLOP/s, and on 2 ranks the seconds of one
+    all-reduce and one send of a micro-batch's activation (each after compute), are measured
+    again beside each configuration's steps (as :func:`calibrate` did, just before each step, on
+    the ranks that run it): on a shared machine what a rank gets changes from one second to the
+    next, and a small collective's time is mostly the wait for the later rank, which changes
+    with it. Each step's prediction uses the rate and per-call latencies timed before it.
+
+    Args:
+        pool: a :class:`mgtutor.Pool` of 2 ranks.
+        hardware: from :func:`calibrate` on the same pool.
+        rounds: rounds of measurement; each round runs every configuration once, in turn.
+        steps: timed steps per configuration per round (after one warm-up step), at least;
+            a configuration predicted shorter gets more, to fill ``min_seconds``.
+        model: the model trained.
+        configs: the names in :data:`CONFIGS` to run.
+        rate: the FLOP/s timed before each step, as given to :func:`calibrate`.
+        window: seconds of it before each step.
+        calls: small collectives timed before each step (each kind).
+        retime: False keeps ``hardware``'s latencies for every round (the calibration's alone).
+        min_seconds: predicted seconds of steps per configuration per round, at least.
+
+    Returns:
+        One :class:`Measured` per configuration, in ``configs`` order.
+    """
+    seconds: dict[str, list[float]] = {name: [] for name in configs}
+    predicted: dict[str, list[StepTime]] = {name: [] for name in configs}
+    expected = predict(hardware, model)
+    # A short step gets more of them: its median rests on as many seconds of steps as a long
+    # one's (tensor parallelism's 8 collectives a step each wait for the later rank, and on a
+    # shared machine that wait comes and goes from one step to the next).
+    count = {n: max(steps, math.ceil(min_seconds / expected[n].total)) for n in configs}
+    for _ in range(rounds):
+        for name in configs:
+            ranks = [0] if CONFIGS[name][:3] == (1, 1, 1) else None
+            run = pool.run(
+                _measure_rank,
+                name,
+                count[name],
+                model,
+                rate,
+                window,
+                calls,
+                ranks=ranks,
+                quiet=True,
+            )
+            per_rank = [r for r in run.results if r is not None]
+            for i in range(count[name]):  # each step, the slower rank's time and rate
+                seconds[name].append(max(r[0][i] for r in per_rank))
+                now = replace(hardware, flops={"fp32": min(r[1][i] for r in per_rank)})
+                if retime and per_rank[0][2]:
+                    calls_s = {k: max(r[2][k][i] for r in per_rank) for k in per_rank[0][2]}
+                    now = with_latencies(now, model, calls_s)
+                predicted[name].append(step_time(_plan_of(name, model), model, now))
+    return [Measured(name, predicted[name], seconds[name]) for name in configs]
+
+
+def main() -> None:
+    """``python -m mgtutor.measure.step_check [rounds] [matmul] [back-to-back]
+    [calibrated-latency]``: calibrate, predict, measure, print. ``matmul``: at a bare product's
+    FLOP/s; ``back-to-back``: the collectives timed back to back (each predicts too fast);
+    ``calibrated-latency``: every round at the calibration's per-call latencies, not re-timed."""
+    import sys
+
+    import mgtutor
+
+    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+    rate = "matmul" if "matmul" in sys.argv[2:] else "step"
+    apart = "back-to-back" not in sys.argv[2:]
+    retime = "calibrated-latency" not in sys.argv[2:]
+    bound, why = tolerance()  # before the ranks add their own load
+    with mgtutor.Pool(2) as pool:
+        start = time.perf_counter()
+        hardware = calibrate(pool, rate=rate, after_compute=apart)
+        print(
+            f"calibration {time.perf_counter() - start:.1f} s, FLOP/s of a {rate}, "
+            + ("collectives after compute" if apart else "collectives back to back")
+        )
+        measured = check(pool, hardware, rounds=rounds, rate=rate, retime=retime)
+    link, f = hardware.intra, hardware.flops
+    print(
+        f"a layer step {f['fp32'] / 1e9:.0f} GFLOP/s a rank with both busy, "
+        f"{f['fp32_alone'] / 1e9:.0f} alone (a bare product {f['matmul'] / 1e9:.0f} and "
+        f"{f['matmul_alone'] / 1e9:.0f}); all-reduce {link.latency * 1e6:.0f} us + bytes / "
+        f"{link.bandwidth / 1e9:.2f} GB/s; send {link.p2p_latency * 1e6:.0f} us + bytes / "
+        f"{link.p2p_bandwidth / 1e9:.2f} GB/s; copy {hardware.copy / 1e9:.1f} GB/s"
+    )
+    for m in measured:
+        print(
+            f"{m.name:34} predicted {m.predicted.total * 1e3:5.0f} ms, measured median "
+            f"{m.median * 1e3:5.0f} ms ({min(m.seconds) * 1e3:.0f}-{max(m.seconds) * 1e3:.0f}), "
+            f"error {m.error:+.0%}; "
+            + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in m.predicted.parts.items() if v)
+        )
+    print(
+        f"bound {bound:.0%} ({why}, before the ranks started): "
+        + ("all within" if all(abs(m.error) <= bound for m in measured) else "NOT all within")
+    )
+
+
+if __name__ == "__main__":
+    main()
