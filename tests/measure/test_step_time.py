@@ -156,11 +156,12 @@ def test_the_link_fit_keeps_the_small_messages_latency():
 
 def test_the_bound_loosens_only_for_other_work(monkeypatch):
     # On 2 cores the check's two ranks take both: 25% while other work is under one core, 50%
-    # above (read before the ranks start, so their own load never loosens it).
+    # above, none above twice the cores (read before the ranks start, so their own load never
+    # loosens it).
     import os
 
     monkeypatch.setattr("mgtutor.hardware.usable_cores", lambda: 2)
-    for load, bound in ((0.3, 0.25), (0.99, 0.25), (1.6, 0.5)):
+    for load, bound in ((0.3, 0.25), (0.99, 0.25), (1.6, 0.5), (4.0, 0.5), (4.1, None)):
         monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
         assert step_check.tolerance()[0] == bound
 
@@ -168,9 +169,12 @@ def test_the_bound_loosens_only_for_other_work(monkeypatch):
 def test_cpu_ranks_predicted_within_the_bound():
     # Calibrate this machine's 2 CPU ranks, predict, then measure the five configurations of
     # issue 35, interleaved. The bound is 25%, or 50% while the machine is loaded (other work
-    # queued for the cores takes uneven time slices from the ranks): step_check.tolerance(),
+    # queued for the cores takes uneven time slices from the ranks), and the test skips above
+    # twice the cores' load (the ranks would time the other work): step_check.tolerance(),
     # read before the ranks start (their own load would count otherwise).
     bound, why = step_check.tolerance()
+    if bound is None:
+        pytest.skip(why)
     with mgtutor.Pool(2) as pool:
         start = time.perf_counter()
         hardware = step_check.calibrate(pool)
