@@ -25,7 +25,7 @@ BYTES_CASES = (  # label, parameters, ranks, strategy
 
 
 def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
-    from mgtutor.measure.memplan import estimate
+    from mgtutor.plan.memplan import estimate
 
     (fn,) = cloudpickle.loads(payload)
     findings = []
