@@ -1,44 +1,47 @@
 """mgtutor: run data-parallel PyTorch workers from a notebook cell and see what they do.
 
-The workbook's helper package. Its folders, in the order the notebooks meet them:
+The workbook's helper package. Its folders and modules stand in layers, each importing only
+from the layers below it (``tests/test_layout.py`` checks it), top first:
 
+* :mod:`mgtutor.bench` (the all-reduce bandwidth benchmark, ``python -m mgtutor.bench``), then
+  this module, the public names.
+* :mod:`mgtutor.interactive`: :class:`Experiment`, controls that re-run an experiment.
+* :mod:`mgtutor.exercises`: exercises that check themselves on CPU ranks (the public
+  ``check_*`` functions; their cases in :mod:`~.exercises.cases`, reference solutions in
+  :mod:`~.exercises.solutions`).
 * :mod:`mgtutor.launcher`: starting ranks from a cell and looking after them.
   :func:`launch` runs a function once on every rank; :class:`Pool` keeps ranks alive between
-  cells; :mod:`~mgtutor.launcher.magic` is the ``%%ddp`` cell magic (``%load_ext mgtutor``).
+  cells; :mod:`~mgtutor.launcher.magic` is the ``%%ddp`` cell magic (``%load_ext mgtutor``);
+  :class:`Run` is what a launch returns; :func:`progress` draws per-rank progress bars.
   Its underscored modules are the machinery: starting processes, the rank's loop, the messages
   between notebook and ranks, relaying output, supervision and clean-up.
-* :mod:`mgtutor.worker`: :func:`setup` joins the process group inside a worker (also under
-  torchrun and SLURM); :func:`teardown` leaves it.
-* :mod:`mgtutor.errors`: :class:`WorkerError`, :class:`WorkerTimeout`, :class:`WorkerInterrupted`
-  and :class:`ArgumentError`.
-* :mod:`mgtutor.measure`: what the ranks measure and how it is shown: :mod:`~.measure.timing`
-  (:func:`phase`, :func:`step`, :class:`StepTimer`), :mod:`~.measure.memory` (what the
-  per-rank memory figures count), :mod:`~.measure.breakdown` and :mod:`~.measure.memplan`
-  (each rank's memory by category, measured and computed ahead), :mod:`~.measure.planner` (a
-  transformer's memory and traffic per GPU for a layout, from formulas; its activations term
-  by term in :mod:`~.measure.activation_plan`),
-  :mod:`~.measure.traffic` (each step's collectives counted in the ranks, and torch's own),
-  :mod:`~.measure.activations` (the bytes a forward and backward keep alive),
-  :mod:`~.measure.plots`, :mod:`~.measure.progress` (per-rank progress bars),
-  :mod:`~.measure.stats` (repeated measurements read with their spread) and
-  :mod:`~.measure.run` (:class:`Run`, what a launch returns).
 * :mod:`mgtutor.doctor`: what the ranks' records of their collectives (torch's Flight
   Recorder) say went wrong in a hang; :func:`~mgtutor.doctor.find_drift`, replicas that differ.
+* :mod:`mgtutor.measure`: what a rank measures and how it is shown: :mod:`~.measure.timing`
+  (:func:`phase`, :func:`step`, :class:`StepTimer`), :mod:`~.measure.memory` (what the
+  per-rank memory figures count), :mod:`~.measure.breakdown` (each rank's memory by category),
+  :mod:`~.measure.activations` (the bytes a forward and backward keep alive),
+  :mod:`~.measure.traffic` (each step's collectives counted in the ranks, and torch's own),
+  :mod:`~.measure.stats` (repeated measurements read with their spread) and
+  :mod:`~.measure.plots`.
 * :mod:`mgtutor.parallel`: what the notebooks build by hand: :mod:`~.parallel.syncbn`
   (:class:`SyncBatchNorm` that also runs on CPU ranks), tensor and sequence parallelism
   (:mod:`~.parallel.tensor`, :mod:`~.parallel.tensor_comms`; :mod:`~.parallel.gpt_layer`, a
   layer that keeps for backward what Korthikanti et al. count), ring attention
   (:mod:`~.parallel.context`), pipeline stages (:mod:`~.parallel.pipeline`) and experts
-  (:mod:`~.parallel.expert`).
-* :mod:`mgtutor.exercises`: exercises that check themselves on CPU ranks (the public
-  ``check_*`` functions; their cases in :mod:`~.exercises.cases`, reference solutions in
-  :mod:`~.exercises.solutions`).
-* The workbook's parts: :mod:`mgtutor.data` (an offline dataset that learns, CIFAR-10 where
-  available), :mod:`mgtutor.models`, :mod:`mgtutor.metrics` (:func:`reduce_mean`,
+  (:mod:`~.parallel.expert`). Beside it, :mod:`mgtutor.plan`: what is predicted, from formulas:
+  :mod:`~.plan.memplan` (each rank's memory by category, computed ahead), :mod:`~.plan.planner`
+  (a transformer's memory and traffic per GPU for a layout; its activations term by term in
+  :mod:`~.plan.activation_plan`).
+* :mod:`mgtutor.worker`: :func:`setup` joins the process group inside a worker (also under
+  torchrun and SLURM); :func:`teardown` leaves it.
+* The ground: :mod:`mgtutor.errors` (:class:`WorkerError`, :class:`WorkerTimeout`,
+  :class:`WorkerInterrupted`, :class:`ArgumentError`), :mod:`mgtutor.hardware`
+  (:func:`describe_hardware`), :mod:`mgtutor.data` (an offline dataset that learns, CIFAR-10
+  where available), :mod:`mgtutor.models`, :mod:`mgtutor.metrics` (:func:`reduce_mean`,
   :func:`reduce_sums`), :mod:`mgtutor.checkpoint` (:func:`save_checkpoint` never leaves a
-  half-written file), :mod:`mgtutor.bench` (the all-reduce bandwidth benchmark, ``python -m
-  mgtutor.bench``), :mod:`mgtutor.hardware` (:func:`describe_hardware`) and
-  :mod:`mgtutor.interactive` (:class:`Experiment`, controls that re-run an experiment).
+  half-written file); under them :mod:`mgtutor.units` (:func:`~.units.format_bytes`), which
+  imports nothing of mgtutor.
 
 Importing mgtutor does not import torch or matplotlib: every worker imports this package
 first, and a worker's start-up time is the floor of every launch.
@@ -54,7 +57,9 @@ from mgtutor.interactive import Experiment
 from mgtutor.launcher.launch import launch
 from mgtutor.launcher.lifetime import shutdown
 from mgtutor.launcher.pool import Pool
-from mgtutor.measure.breakdown import MemoryBreakdown, track
+from mgtutor.launcher.progress import progress
+from mgtutor.launcher.run import RankResult, Run
+from mgtutor.measure.breakdown import track
 from mgtutor.measure.memory import MemoryStats
 from mgtutor.measure.plots import (
     plot_breakdown,
@@ -63,9 +68,8 @@ from mgtutor.measure.plots import (
     plot_step_times,
     plot_timeline,
 )
-from mgtutor.measure.progress import progress
-from mgtutor.measure.run import RankResult, Run
 from mgtutor.measure.timing import PhaseRecord, StepTimer, phase, step, timer
+from mgtutor.plan.memplan import MemoryBreakdown
 from mgtutor.worker import backend_for, get_contract, setup, teardown
 
 __all__ = [

@@ -18,6 +18,15 @@ import os
 import pickle
 from typing import Any
 
+# mgtutor's folder, which holds this module: frames from files under it are the package's own.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def in_mgtutor(filename: str) -> bool:
+    """Whether ``filename`` is one of mgtutor's own files (whose frames a learner need not read)."""
+    return os.path.abspath(filename).startswith(_PACKAGE_DIR)
+
+
 __all__ = [
     "ArgumentError",
     "WorkerError",
@@ -25,6 +34,7 @@ __all__ = [
     "WorkerInterrupted",
     "PicklingError",
     "FULL_TRACEBACK_ENV",
+    "in_mgtutor",
 ]
 
 FULL_TRACEBACK_ENV = "MGTUTOR_FULL_TRACEBACK"
@@ -79,9 +89,7 @@ def _calls_outside_mgtutor(error: BaseException, shell: Any) -> list[str]:
     """The traceback's frames outside mgtutor's and IPython's files, oldest first."""
     import linecache
 
-    import mgtutor
-
-    hidden = [os.path.dirname(os.path.abspath(mgtutor.__file__)) + os.sep]
+    hidden = [_PACKAGE_DIR]
     if shell is not None:
         import IPython
 

@@ -74,7 +74,7 @@ class HardwareInfo:
         return "cuda:LOCAL_RANK" if self.backend_for(world_size) == "nccl" else "cpu"
 
     def _lines(self) -> list[str]:
-        from mgtutor.measure.memory import format_bytes
+        from mgtutor.units import format_bytes
 
         lines = [
             f"platform     {self.platform}",

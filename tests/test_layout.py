@@ -1,8 +1,12 @@
-"""The package's shape: no import cycle, modules of one screenful or so, each saying its job.
+"""The package's shape: layers that import downwards, no cycle, modules of a screenful or so.
 
 Read from the source with :mod:`ast`, so nothing is imported and the tests take milliseconds.
 Every import counts, at the top of a module, inside a function or under ``TYPE_CHECKING``:
 a cycle hidden in a function is still two modules that cannot be read one after the other.
+
+The package's folders and top-level modules stand in :data:`LAYERS`, top first (the order the
+package's docstring tells): each may import only from the layers below it, so that each can be
+read knowing only what lies under it. Units of one layer do not import each other.
 """
 
 from __future__ import annotations
@@ -12,6 +16,21 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mgtutor"
 MAX_LINES = 400
+
+#: mgtutor's folders and top-level modules (each a unit), top layer first.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("bench",),  # python -m mgtutor.bench: launches through the public names
+    ("mgtutor",),  # the public names, re-exported from below
+    ("interactive",),  # controls that re-run a launch
+    ("exercises",),  # checkers that launch a learner's function
+    ("launcher",),  # the notebook's side: launch, Pool, Run, progress, the %%ddp magic
+    ("doctor",),  # a hang's diagnosis, and the ranks' side of it
+    ("measure",),  # what a rank measures, and its plots
+    ("parallel", "plan"),  # what the notebooks build by hand; what is predicted, by formulas
+    ("worker",),  # setup() and what fn asks of its rank
+    ("checkpoint", "data", "errors", "hardware", "metrics", "models"),
+    ("units",),  # format_bytes: imports nothing of mgtutor
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -24,8 +43,12 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
-def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The mgtutor modules that ``name`` imports (a package's ``__init__`` for its names)."""
+def _imported(name: str, path: Path, modules: dict[str, Path], *, top: bool = False) -> set[str]:
+    """The mgtutor modules that ``name`` imports (a package's ``__init__`` for its names).
+
+    With ``top``, an ``import mgtutor`` in a submodule counts too, as an import of the package's
+    face (Python has loaded it first anyway, but the module reaches up for its names).
+    """
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -43,15 +66,45 @@ def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             while target not in modules and "." in target:
                 target = target.rpartition(".")[0]
             # A module importing its own package's __init__ is how Python loads it anyway.
-            if target in modules and target != name and not name.startswith(target + "."):
+            inside = target in modules and target != name and not name.startswith(target + ".")
+            if inside or (top and target == "mgtutor" and name != "mgtutor"):
                 found.add(target)
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Each mgtutor module and the mgtutor modules it imports."""
+def import_graph(*, top: bool = False) -> dict[str, set[str]]:
+    """Each mgtutor module and the mgtutor modules it imports (``top``: see :func:`_imported`)."""
     modules = _modules()
-    return {name: _imported(name, path, modules) for name, path in modules.items()}
+    return {name: _imported(name, path, modules, top=top) for name, path in modules.items()}
+
+
+def unit_of(module: str) -> str:
+    """The folder or top-level module a module belongs to: ``mgtutor.measure.timing`` -> measure."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "mgtutor"
+
+
+def unit_imports(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[str]]:
+    """Each pair of units (importer, imported) and the module imports that tie them."""
+    pairs: dict[tuple[str, str], list[str]] = {}
+    for name, targets in graph.items():
+        for target in sorted(targets):
+            if unit_of(name) != unit_of(target):
+                pairs.setdefault((unit_of(name), unit_of(target)), []).append(f"{name} -> {target}")
+    return pairs
+
+
+def upward(
+    pairs: dict[tuple[str, str], list[str]], layers: tuple[tuple[str, ...], ...]
+) -> list[str]:
+    """The imports that do not go down the layers (same layer or higher), or from a unit no
+    layer holds."""
+    level = {unit: i for i, layer in enumerate(layers) for unit in layer}
+    wrong = []
+    for (a, b), ties in sorted(pairs.items()):
+        if a not in level or b not in level or level[a] >= level[b]:
+            wrong += ties
+    return wrong
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -93,9 +146,54 @@ def test_find_cycles_finds_a_loop_of_three_and_no_loop_in_a_chain() -> None:
 
 def test_the_graph_sees_imports_inside_functions_and_under_type_checking() -> None:
     graph = import_graph()
-    # _cleanup names RankHandle only for type hints; _processes imports a module in a function.
+    # _processes imports a module in a function; hardware imports units in a function.
     assert "mgtutor.launcher._rank" in graph["mgtutor.launcher._processes"]
-    assert "mgtutor.measure.memory" in graph["mgtutor.hardware"]
+    assert "mgtutor.units" in graph["mgtutor.hardware"]
+    assert "mgtutor" in import_graph(top=True)["mgtutor.bench"]  # import mgtutor, in a function
+
+
+def test_upward_finds_an_import_up_or_sideways_and_passes_one_down() -> None:
+    layers = (("top",), ("mid", "side"), ("low",))
+    assert upward({("top", "low"): ["t -> l"], ("mid", "low"): ["m -> l"]}, layers) == []
+    assert upward({("low", "mid"): ["l -> m"]}, layers) == ["l -> m"]
+    assert upward({("mid", "side"): ["m -> s"]}, layers) == ["m -> s"]
+    assert upward({("new", "low"): ["n -> l"]}, layers) == ["n -> l"]
+
+
+def test_every_folder_and_top_level_module_stands_in_one_layer() -> None:
+    units = {unit_of(name) for name in _modules()}
+    placed = [unit for layer in LAYERS for unit in layer]
+    assert len(placed) == len(set(placed)), "a unit stands in two layers"
+    assert units == set(placed), (
+        f"not in LAYERS: {sorted(units - set(placed))}; gone: {sorted(set(placed) - units)}"
+    )
+
+
+def test_every_import_between_folders_goes_down_the_layers() -> None:
+    wrong = upward(unit_imports(import_graph(top=True)), LAYERS)
+    assert not wrong, "imports up or across the layers:\n" + "\n".join(wrong)
+
+
+def test_no_two_folders_import_each_other() -> None:
+    pairs = unit_imports(import_graph(top=True))
+    graph: dict[str, set[str]] = {}
+    for a, b in pairs:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    cycles = find_cycles(graph)
+    ties = [
+        tie
+        for cycle in cycles
+        for (a, b), found in pairs.items()
+        if {a, b} <= set(cycle)
+        for tie in found
+    ]
+    assert not cycles, (
+        "folders that import each other: "
+        + "; ".join(" <-> ".join(c) for c in cycles)
+        + "\n"
+        + "\n".join(ties)
+    )
 
 
 def test_no_module_of_mgtutor_imports_itself_round_a_loop() -> None:

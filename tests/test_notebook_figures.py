@@ -44,9 +44,9 @@ from IPython.display import display
 
 import mgtutor
 from mgtutor.bench import BandwidthPoint, BandwidthResult, plot_bandwidth
-from mgtutor.measure.breakdown import MemoryBreakdown
+from mgtutor.plan.memplan import MemoryBreakdown
 from mgtutor.measure.memory import MemoryStats
-from mgtutor.measure.run import RankResult, Run
+from mgtutor.launcher.run import RankResult, Run
 from mgtutor.measure.timing import PhaseRecord
 
 def rank(r):

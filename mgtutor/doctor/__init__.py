@@ -18,6 +18,9 @@ The modules, each with one job:
   torch's own analyzer's verdicts.
 * :mod:`~mgtutor.doctor.drift`: :func:`replica_checksums` and :func:`find_drift` catch the
   quiet bug, replicas that drifted apart.
+
+Where it stands: it imports nothing else of mgtutor; the launcher calls it, in the ranks
+(the responder) and in the notebook (the diagnosis of a hang).
 """
 
 from mgtutor.doctor.diagnosis import Diagnosis, diagnose

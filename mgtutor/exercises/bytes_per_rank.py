@@ -38,11 +38,11 @@ def check_bytes_per_rank(
     Adam, the bytes each rank holds for parameters (4 per element), gradients (4) and Adam's
     two moments (8), in rank order, under ``"ddp"``, ``"zero1"`` (the best case of
     ``ZeroRedundancyOptimizer``: Adam's state split evenly by element, the first
-    ``n_params % world_size`` ranks one more, as :func:`mgtutor.measure.memplan.estimate`
+    ``n_params % world_size`` ranks one more, as :func:`mgtutor.plan.memplan.estimate`
     assumes for a count) and ``"fsdp"`` (``fully_shard``: ``torch.chunk`` shards padded to the
     first one's size). DDP's buckets, Adam's step counters and activations are left out.
 
-    The checker compares with :func:`mgtutor.measure.memplan.estimate` (torch 2.14's rules) on six
+    The checker compares with :func:`mgtutor.plan.memplan.estimate` (torch 2.14's rules) on six
     cases, one of them with more ranks than some shards have elements.
 
     Args:
@@ -59,7 +59,7 @@ def check_bytes_per_rank(
 
 
 def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
-    from mgtutor.measure.memplan import estimate
+    from mgtutor.plan.memplan import estimate
 
     (fn,) = cloudpickle.loads(payload)
     findings = []

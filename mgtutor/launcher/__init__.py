@@ -3,7 +3,10 @@
 Public: :func:`~mgtutor.launcher.launch.launch` (run a function once on every rank),
 :class:`~mgtutor.launcher.pool.Pool` (ranks kept alive between cells) and
 :mod:`~mgtutor.launcher.magic` (the ``%%ddp`` cell magic); all three are also reachable from
-``mgtutor``. The underscored modules are the machinery, in the order a call goes through them:
+``mgtutor``, as are :class:`~mgtutor.launcher.run.Run` (what a launch or a pool's call
+returns) and :func:`~mgtutor.launcher.progress.progress` (per-rank progress bars, sent from
+the ranks over :mod:`._channel` and drawn in the notebook). The underscored modules are the
+machinery, in the order a call goes through them:
 
 * :mod:`._processes`: starting rank processes (forkserver, fork or spawn) and the forkserver.
 * :mod:`._send`: a function and its arguments made sendable (by value, with the notebook's names).
@@ -21,4 +24,8 @@ Public: :func:`~mgtutor.launcher.launch.launch` (run a function once on every ra
 * :mod:`._report`: the error a learner reads: what happened, the hints, the ranks' stacks.
 * :mod:`._cleanup`: stopping every process of a launch, whatever happened.
 * :mod:`.lifetime`: the idle timeout that frees idle ranks and the server; ``shutdown()``.
+
+Where it stands: above what a rank records (:mod:`mgtutor.measure`), the hang doctor
+(:mod:`mgtutor.doctor`) and :mod:`mgtutor.worker`; below :mod:`mgtutor.exercises` and the
+package's face, which launch through it.
 """

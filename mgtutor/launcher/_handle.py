@@ -11,7 +11,7 @@ from typing import Any
 from mgtutor.errors import WorkerError
 from mgtutor.launcher._messages import Done, Failed
 from mgtutor.launcher._relay import RankOutput
-from mgtutor.measure.run import RankResult, Run
+from mgtutor.launcher.run import RankResult, Run
 from mgtutor.measure.timing import PhaseRecord
 
 __all__ = ["RankHandle", "build_run", "with_wall_time"]

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from mgtutor.errors import in_mgtutor
 from mgtutor.launcher import _channel, _cleanup, _namespace, _result, _send
 from mgtutor.launcher._messages import Call, Context, Done, Exit, Failed, Hello, Ready
 from mgtutor.worker import current_backend, current_device, guard_destroy, setup, teardown
@@ -176,10 +177,7 @@ def _failure(exc: BaseException, context: str, call: int) -> Failed:
 
 
 def _is_mgtutor(frame: Any) -> bool:
-    import mgtutor
-
-    package = os.path.dirname(os.path.abspath(mgtutor.__file__)) + os.sep
-    return os.path.abspath(frame.f_code.co_filename).startswith(package)
+    return in_mgtutor(frame.f_code.co_filename)
 
 
 def _own_record() -> dict[str, Any] | None:
@@ -227,10 +225,10 @@ def _apply_context(context: Context, own: dict[str, str | None]) -> None:
 
 def _tracked_breakdown() -> Any:
     """fn's tracked model and optimizer by category (mgtutor.track); None if none was tracked."""
-    from mgtutor.measure import memplan
+    from mgtutor.measure.breakdown import tracked_breakdown
 
     try:
-        return memplan.tracked_breakdown()
+        return tracked_breakdown()
     except Exception as exc:  # the run's result matters more than its memory plot
         print(f"mgtutor: could not break down the tracked memory: {exc!r}", file=sys.stderr)
         return None

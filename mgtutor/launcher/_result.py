@@ -13,10 +13,10 @@ import ast
 import functools
 import inspect
 import linecache
-import os
 import textwrap
 from typing import Any
 
+from mgtutor.errors import in_mgtutor
 from mgtutor.launcher._send import _fails, _type_name
 
 __all__ = ["why_unsendable"]
@@ -75,10 +75,7 @@ def _return_lines(fn: Any) -> str:
     code = getattr(getattr(fn, "__func__", fn), "__code__", None)
     if code is None:
         return ""
-    import mgtutor
-
-    package = os.path.dirname(os.path.abspath(mgtutor.__file__)) + os.sep
-    if os.path.abspath(code.co_filename).startswith(package):
+    if in_mgtutor(code.co_filename):
         return ""  # pool.pull and the like: the learner's value, not a return line of theirs
     lines = _returns(code)
     if not lines:

@@ -17,7 +17,7 @@ from typing import Any
 
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._messages import Done, Failed, Hello, Progress, Ready
-from mgtutor.measure.progress import ProgressBoard
+from mgtutor.launcher.progress import ProgressBoard
 
 __all__ = ["RankWatch"]
 

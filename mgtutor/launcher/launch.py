@@ -30,7 +30,7 @@ from mgtutor.launcher import _payload, _processes
 from mgtutor.launcher._handle import with_wall_time
 from mgtutor.launcher._processes import DEFAULT_START_METHOD, START_METHODS
 from mgtutor.launcher.pool import Pool
-from mgtutor.measure.run import Run
+from mgtutor.launcher.run import Run
 
 __all__ = ["launch", "START_METHODS", "DEFAULT_START_METHOD"]
 

@@ -212,7 +212,7 @@ def _start_parser() -> _Parser:
 
 def _rank_tabs(world_size: int, ranks: list[int]) -> tuple[Any, dict[int, Any]] | None:
     """A Tab with one Output per rank, or None where ipywidgets cannot be shown."""
-    from mgtutor.measure.progress import _in_notebook
+    from mgtutor.launcher.progress import _in_notebook
 
     if not _in_notebook():
         return None
@@ -251,7 +251,7 @@ def ddp(line: str, cell: str) -> Any:
     linecache.cache[filename] = (len(cell), None, lines, filename)
     tabs = _rank_tabs(pool.world_size, ranks) if options.tabs else None
     if tabs is not None:
-        from mgtutor.measure.progress import display_widget
+        from mgtutor.launcher.progress import display_widget
 
         tab, outputs = tabs
         display_widget(tab, _tabs_text(ranks))

@@ -39,8 +39,8 @@ from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._messages import Call, Exit
 from mgtutor.launcher._report import Wording
 from mgtutor.launcher._supervise import Supervisor
-from mgtutor.measure.progress import ProgressBoard
-from mgtutor.measure.run import Run
+from mgtutor.launcher.progress import ProgressBoard
+from mgtutor.launcher.run import Run
 
 __all__ = ["Pool"]
 

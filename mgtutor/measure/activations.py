@@ -21,6 +21,8 @@ per operator, so it suits small demonstrations, not production profiling.
 :class:`SavedActivations` measures less and costs less: only the tensors autograd saves for
 backward inside one module's forward (a Python call per saved tensor), which is what
 :func:`mgtutor.track` uses for a run's memory breakdown on any device.
+:func:`kept_for_backward` measures with :class:`LiveTensors` what one
+:class:`~mgtutor.parallel.gpt_layer.GPTLayer` keeps for backward.
 
 torch is imported when this module is, so ``import mgtutor`` loads it lazily
 (``mgtutor.measure.activations``).
@@ -35,11 +37,14 @@ from collections import Counter
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["LiveTensors", "SavedActivations"]
+from mgtutor.parallel.gpt_layer import GPTLayer, kept_by_term
+
+__all__ = ["LiveTensors", "SavedActivations", "kept_for_backward"]
 
 
 _SETTLE_READS = 50  # at most 50 ms more, in the unlikely case the count keeps falling
@@ -245,3 +250,42 @@ def _data_ptr(tensor: Any) -> int | None:
         return tensor.untyped_storage().data_ptr()
     except RuntimeError:  # a tensor with no storage of its own (a wrapper subclass)
         return None
+
+
+def kept_for_backward(
+    layer: GPTLayer, x: torch.Tensor, recompute: str = "none"
+) -> tuple[int, dict[str, int]]:
+    """Bytes one forward of ``layer`` keeps for backward, measured, then its backward run.
+
+    Inside :class:`LiveTensors`, ``x`` is first copied (the layer's input is the previous
+    layer's output, made in the step), the layer runs and the loss is the output's sum; the
+    bytes alive then, less the loss's own, are what backward will read.
+
+    Args:
+        layer: a :class:`~mgtutor.parallel.gpt_layer.GPTLayer` or
+            :class:`~mgtutor.parallel.gpt_layer.ParallelGPTLayer` in training mode.
+        x: the input, (batch, sequence, hidden), or this rank's share of the sequence.
+        recompute: "none"; "selective" (the attention core checkpointed); "full" (the whole
+            layer checkpointed, ``torch.utils.checkpoint``, non-reentrant).
+
+    Returns:
+        The bytes kept, and (without recomputation) the bytes by the paper's terms
+        (:func:`~mgtutor.parallel.gpt_layer.kept_by_term`); ``{}`` otherwise, since reading a
+        checkpointed graph's saved tensors would recompute them.
+    """
+    layer.checkpoint_core = recompute == "selective"
+    try:
+        with LiveTensors() as live:
+            copy_of_x = x.clone()
+            if recompute == "full":
+                y = torch.utils.checkpoint.checkpoint(layer, copy_of_x, use_reentrant=False)
+            else:
+                y = layer(copy_of_x)
+            loss = y.sum()
+            del y, copy_of_x
+            kept = live.live_bytes() - loss.untyped_storage().nbytes()
+            terms = kept_by_term(layer, loss) if recompute == "none" else {}
+            loss.backward()
+    finally:
+        layer.checkpoint_core = False
+    return kept, terms

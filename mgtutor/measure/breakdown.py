@@ -16,7 +16,7 @@ known, which also holds the interpreter and torch's libraries (several hundred M
 is left unknown (None) there.
 
 :func:`track` and :func:`tracked_breakdown` let a worker's fn name its model and optimizer so
-that the breakdown can be taken when fn returns. :mod:`mgtutor.measure.memplan` computes the
+that the breakdown can be taken when fn returns. :mod:`mgtutor.plan.memplan` computes the
 same record ahead of any run; :func:`mgtutor.measure.plots.plot_breakdown` draws it.
 
 torch is imported inside the functions, so importing this module stays cheap.
@@ -25,96 +25,23 @@ torch is imported inside the functions, so importing this module stays cheap.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
-from mgtutor.measure.memory import format_bytes, peak_rss
+from mgtutor.measure.memory import peak_rss
+from mgtutor.plan.memplan import MemoryBreakdown
+from mgtutor.units import format_bytes
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
 __all__ = [
-    "CATEGORIES",
-    "MemoryBreakdown",
     "breakdown",
     "clear_tracked",
     "reset_tracked_peak",
     "track",
     "tracked_breakdown",
 ]
-
-#: The categories a breakdown sums, in the order the bars stack them.
-CATEGORIES = (
-    "parameters",
-    "gradients",
-    "optimizer_state",
-    "communication",
-    "activations",
-    "rest_of_peak",
-)
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    """One rank's bytes by category, measured by :func:`breakdown` or computed by :func:`estimate`.
-
-    Attributes:
-        parameters: parameter storages (this rank's shard where sharded), plus module buffers.
-        gradients: gradient storages not already counted as parameters.
-        optimizer_state: the optimizer's state tensors (for ``ZeroRedundancyOptimizer``, the
-            local optimizer's, which holds only this rank's partition).
-        communication: communication buffers that stay allocated between steps: DDP's gradient
-            buckets, less the part shared with gradients (``gradient_as_bucket_view=True``).
-        activations: the most bytes autograd held for backward at the end of the tracked
-            model's forward (:class:`~mgtutor.measure.activations.SavedActivations`, on any
-            device); None where nothing watched the forward (a :func:`breakdown` called without
-            :func:`track`) or it was not estimated.
-        rest_of_peak: on a GPU rank, the allocator's peak less every category above: library
-            workspaces, temporaries alive at the peak (a foreach optimizer's parameter-sized
-            ones, for one), the allocator's rounding, and the activations when nothing measured
-            them; so the categories add up to the peak. None on CPU ranks and in estimates.
-        transient: estimates only: buffers that exist only inside a step and are not in the
-            other categories (FSDP's unsharded parameters and gradients of the largest unit);
-            None otherwise.
-        peak: the allocator's peak (``torch.cuda.max_memory_allocated``) on a GPU rank, the
-            process's peak resident memory on a CPU rank, None for an estimate.
-        peak_source: what ``peak`` is.
-        device: the rank's device, or "estimate".
-        notes: what was counted or skipped, in words.
-    """
-
-    parameters: int
-    gradients: int
-    optimizer_state: int
-    communication: int
-    activations: int | None = None
-    rest_of_peak: int | None = None
-    transient: int | None = None
-    peak: int | None = None
-    peak_source: str = ""
-    device: str = "estimate"
-    notes: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def total(self) -> int:
-        """The categories' sum: the peak on a GPU rank (see ``notes`` where they exceed it).
-
-        ``transient`` is extra.
-        """
-        return sum(getattr(self, name) or 0 for name in CATEGORIES)
-
-    def as_dict(self) -> dict[str, int | None]:
-        """The byte categories by name, ``total`` included."""
-        out: dict[str, int | None] = {f.name: getattr(self, f.name) for f in fields(self)}
-        for key in ("peak_source", "device", "notes"):
-            out.pop(key)
-        out["total"] = self.total
-        return out
-
-    def __str__(self) -> str:
-        parts = [f"{name} {format_bytes(getattr(self, name))}" for name in CATEGORIES]
-        return f"MemoryBreakdown({self.device}: " + ", ".join(parts) + ")"
 
 
 class _Storages:
@@ -211,7 +138,7 @@ def breakdown(
 
     Example:
         >>> ddp = DDP(model); opt = torch.optim.Adam(ddp.parameters()); ...  # train a step
-        >>> memplan.breakdown(ddp, opt).optimizer_state  # 2 x the parameter bytes + steps
+        >>> breakdown(ddp, opt).optimizer_state  # 2 x the parameter bytes + steps
     """
     import torch
     from torch.nn.parallel import DistributedDataParallel

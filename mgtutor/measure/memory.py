@@ -27,7 +27,6 @@ from dataclasses import dataclass
 __all__ = [
     "MemoryStats",
     "current_rss",
-    "format_bytes",
     "measure",
     "peak_rss",
     "reset_cuda_peaks",
@@ -168,15 +167,3 @@ def measure(device: str, rss_at_start: int, peak_was_reset: bool) -> MemoryStats
         peak_reserved=reserved,
         peak_rss_since_start=not peak_was_reset,
     )
-
-
-def format_bytes(n: int | None) -> str:
-    """Write a byte count for people: ``1536 -> '1.5 KiB'``."""
-    if n is None:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")

@@ -9,12 +9,11 @@ matplotlib is imported inside the functions, so workers never pay for it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
-from mgtutor.measure.breakdown import CATEGORIES, MemoryBreakdown
-from mgtutor.measure.memory import format_bytes
-from mgtutor.measure.run import Run
 from mgtutor.measure.timing import STEP
+from mgtutor.plan.memplan import CATEGORIES, MemoryBreakdown
+from mgtutor.units import format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -30,6 +29,20 @@ _PHASE_COLOURS = {
     "allreduce": "#e78ac3",
     "optimizer": "#a6d854",
 }
+
+
+class Run(Protocol):
+    """What the plots read of :class:`mgtutor.Run`, so that they need nothing of the launcher."""
+
+    world_size: int
+    ranks: Sequence[Any]  # mgtutor.RankResult: rank, device, memory, timings, breakdown
+
+    @property
+    def warmup_steps(self) -> int: ...
+
+    def step_times(self, rank: int) -> list[float]: ...
+
+    def throughput(self) -> float: ...
 
 
 def _new_figure(width: float, height: float) -> Figure:

@@ -1,6 +1,6 @@
 """Calibrate this machine's CPU ranks for the step-time model: achieved FLOP/s and gloo's links.
 
-:func:`calibrate` measures what :class:`~mgtutor.measure.step_time.Hardware` needs on CPU ranks
+:func:`calibrate` measures what :class:`~mgtutor.plan.step_time.Hardware` needs on CPU ranks
 (gloo). The FLOP/s is an achieved rate, as the time model asks: the counted FLOPs of one training
 step (forward and backward) of one :class:`~mgtutor.parallel.gpt_layer.GPTLayer` of the checked
 model's shape, divided by its measured time (the idea of MFU, model FLOPs utilization: Chowdhery
@@ -23,8 +23,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from mgtutor.measure.planner import Transformer
-from mgtutor.measure.step_time import DDP_BUCKET_BYTES, Hardware, Link, compute_flops
+from mgtutor.plan.planner import Transformer
+from mgtutor.plan.step_time import DDP_BUCKET_BYTES, Hardware, Link, compute_flops
 
 __all__ = [
     "CHECK_MODEL",
@@ -77,7 +77,7 @@ def seconds_per_call(fn: Any, min_seconds: float) -> float:
 
 def layer_step(model: Transformer) -> tuple[Any, float]:
     """One GPTLayer's training step (forward and backward) on one micro-batch of ``model``, and
-    its FLOPs as :func:`~mgtutor.measure.step_time.compute_flops` counts them."""
+    its FLOPs as :func:`~mgtutor.plan.step_time.compute_flops` counts them."""
     import torch
 
     from mgtutor.parallel.gpt_layer import GPTLayer
@@ -180,9 +180,9 @@ def _calibrate_rank(
     import torch
     import torch.distributed as dist
 
-    import mgtutor
+    from mgtutor.worker import setup
 
-    mgtutor.setup()
+    setup()
     rank = dist.get_rank()
     flops = {}
     # Rank 0 alone (the one-process configuration), then both ranks at once (every other).
@@ -218,7 +218,7 @@ def _calibrate_rank(
 
 
 def calibrate(
-    pool: Any = None,
+    pool: Any,
     *,
     model: Transformer = CHECK_MODEL,
     sizes: tuple[int, ...] | None = None,
@@ -227,11 +227,10 @@ def calibrate(
     rate: str = "step",
     after_compute: bool = True,
 ) -> Hardware:
-    """Measure this machine's 2 CPU ranks as a :class:`~mgtutor.measure.step_time.Hardware`.
+    """Measure this machine's 2 CPU ranks as a :class:`~mgtutor.plan.step_time.Hardware`.
 
     Args:
-        pool: a :class:`mgtutor.Pool` of 2 ranks to measure on (one is started and closed
-            if None).
+        pool: a :class:`mgtutor.Pool` of 2 ranks to measure on.
         model: the shape whose layer step (and MLP product) is timed.
         sizes: message sizes in bytes of the all-reduce and send/recv fits; by default those a
             step of ``model`` sends: one micro-batch's activation (TP's all-reduces, the
@@ -251,7 +250,6 @@ def calibrate(
         figures, ``overlap=0`` (gloo reduces on the cores that compute), and ``copy``, the
         slower rank's bytes/s copying the model's gradients while the other copies too.
     """
-    import mgtutor
     from mgtutor.hardware import describe_hardware
 
     if rate not in ("step", "matmul"):
@@ -259,15 +257,7 @@ def calibrate(
     activation = 4 * model.micro_batch * model.seq_len * model.hidden
     bucket = min(DDP_BUCKET_BYTES, 4 * model.total)  # float32 gradients, DDP's bucket cap
     sizes = sizes or (activation, 1024 * _KIB, bucket)
-    own = pool is None
-    pool = mgtutor.Pool(2) if own else pool
-    try:
-        run = pool.run(
-            _calibrate_rank, model, list(sizes), window, calls, after_compute, quiet=True
-        )
-    finally:
-        if own:
-            pool.close()
+    run = pool.run(_calibrate_rank, model, list(sizes), window, calls, after_compute, quiet=True)
     results = run.results
 
     def of(kind: str, busy: str) -> float:  # rank 0's alone; the slower rank's together

@@ -1,7 +1,7 @@
 """The step-time model against ranks it runs: calibrate this machine, predict, then measure.
 
 :func:`~mgtutor.measure.step_calibrate.calibrate` (re-exported here) measures this machine's
-2 CPU ranks as a :class:`~mgtutor.measure.step_time.Hardware`: the achieved FLOP/s of a layer's
+2 CPU ranks as a :class:`~mgtutor.plan.step_time.Hardware`: the achieved FLOP/s of a layer's
 training step, gloo's all-reduce and send/recv as latency + bytes / bandwidth.
 
 :func:`check` predicts and measures the configurations of :data:`CONFIGS` on the same ranks:
@@ -23,7 +23,6 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mgtutor.measure.planner import Plan, Transformer, plan
 from mgtutor.measure.step_calibrate import (
     CHECK_MODEL,
     bare_matmul,
@@ -33,7 +32,8 @@ from mgtutor.measure.step_calibrate import (
     small_calls,
     with_latencies,
 )
-from mgtutor.measure.step_time import Hardware, StepTime, step_time
+from mgtutor.plan.planner import Plan, Transformer, plan
+from mgtutor.plan.step_time import Hardware, StepTime, step_time
 
 __all__ = [
     "CHECK_MODEL",
@@ -157,9 +157,9 @@ def _measure_rank(
     stretch of compute (as :func:`calibrate` times them), also just before each step."""
     import torch.distributed as dist
 
-    import mgtutor
+    from mgtutor.worker import setup
 
-    mgtutor.setup()
+    setup()
     together = CONFIGS[name][:3] != (1, 1, 1)
     step = _build(name, model)
     step()  # warm-up: DDP's buckets, the pipeline's shapes, the allocator
@@ -276,53 +276,3 @@ def check(
                     now = with_latencies(now, model, calls_s)
                 predicted[name].append(step_time(_plan_of(name, model), model, now))
     return [Measured(name, predicted[name], seconds[name]) for name in configs]
-
-
-def main() -> None:
-    """``python -m mgtutor.measure.step_check [rounds] [matmul] [back-to-back]
-    [calibrated-latency]``: calibrate, predict, measure, print. ``matmul``: at a bare product's
-    FLOP/s; ``back-to-back``: the collectives timed back to back (each predicts too fast);
-    ``calibrated-latency``: every round at the calibration's per-call latencies, not re-timed."""
-    import sys
-
-    import mgtutor
-
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    rate = "matmul" if "matmul" in sys.argv[2:] else "step"
-    apart = "back-to-back" not in sys.argv[2:]
-    retime = "calibrated-latency" not in sys.argv[2:]
-    bound, why = tolerance()  # before the ranks add their own load
-    with mgtutor.Pool(2) as pool:
-        start = time.perf_counter()
-        hardware = calibrate(pool, rate=rate, after_compute=apart)
-        print(
-            f"calibration {time.perf_counter() - start:.1f} s, FLOP/s of a {rate}, "
-            + ("collectives after compute" if apart else "collectives back to back")
-        )
-        measured = check(pool, hardware, rounds=rounds, rate=rate, retime=retime)
-    link, f = hardware.intra, hardware.flops
-    print(
-        f"a layer step {f['fp32'] / 1e9:.0f} GFLOP/s a rank with both busy, "
-        f"{f['fp32_alone'] / 1e9:.0f} alone (a bare product {f['matmul'] / 1e9:.0f} and "
-        f"{f['matmul_alone'] / 1e9:.0f}); all-reduce {link.latency * 1e6:.0f} us + bytes / "
-        f"{link.bandwidth / 1e9:.2f} GB/s; send {link.p2p_latency * 1e6:.0f} us + bytes / "
-        f"{link.p2p_bandwidth / 1e9:.2f} GB/s; copy {hardware.copy / 1e9:.1f} GB/s"
-    )
-    for m in measured:
-        print(
-            f"{m.name:34} predicted {m.predicted.total * 1e3:5.0f} ms, measured median "
-            f"{m.median * 1e3:5.0f} ms ({min(m.seconds) * 1e3:.0f}-{max(m.seconds) * 1e3:.0f}), "
-            f"error {m.error:+.0%}; "
-            + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in m.predicted.parts.items() if v)
-        )
-    within = all(abs(m.error) <= (bound or 0) for m in measured)
-    print(
-        f"bound {why}"
-        if bound is None
-        else f"bound {bound:.0%} ({why}, before the ranks "
-        f"started): " + ("all within" if within else "NOT all within")
-    )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,12 +1,12 @@
 """What a training step sends: every collective counted inside a rank, and torch's own pattern.
 
-:func:`mgtutor.measure.planner.plan` writes down the ZeRO paper's communication per step. This
+:func:`mgtutor.plan.planner.plan` writes down the ZeRO paper's communication per step. This
 module checks it on CPU ranks and says where torch 2.14 does something else:
 
 * :func:`record_collectives` writes down, inside a rank, every call that reaches a process
   group (name, group size, bytes of the whole buffer); :func:`tally` groups them as the
-  planner's :class:`~mgtutor.measure.planner.Collective`, with the bytes one GPU sends.
-* :func:`build` makes the modules a :class:`~mgtutor.measure.planner.Transformer` describes
+  planner's :class:`~mgtutor.plan.planner.Collective`, with the bytes one GPU sends.
+* :func:`build` makes the modules a :class:`~mgtutor.plan.planner.Transformer` describes
   (an embedding, then one :class:`mgtutor.parallel.tensor.Block` per layer), so the ranks run
   the very parameter count the planner plans.
 * :func:`torch_collectives` is what torch runs for ZeRO 0 to 3 on that model, which differs
@@ -55,8 +55,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mgtutor.measure.planner import Collective, Transformer
 from mgtutor.parallel.tensor import Block
+from mgtutor.plan.planner import Collective, Transformer
 
 __all__ = [
     "Call",

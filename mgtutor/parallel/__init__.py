@@ -19,6 +19,10 @@
   and combines them back, and a mixture-of-experts layer whose ranks hold only their experts
   (notebook 16).
 
+Where it stands: it imports nothing of mgtutor above it; what measures these modules
+(:mod:`mgtutor.measure.traffic`, :mod:`mgtutor.measure.activations`) imports them, and a
+caller that wants phases timed passes :func:`mgtutor.phase` in (:func:`.pipeline.run_order`).
+
 Nothing here is imported by ``import mgtutor.parallel``: import the module you need (each
 imports torch).
 """

@@ -22,7 +22,9 @@ keep only the rank's shard for backward and all-gather it again there (:func:`ga
 ``keep_gathered=True`` keeps the whole gathered input instead (as
 :class:`mgtutor.parallel.tensor.ParallelBlock` does).
 
-:func:`saved_by_autograd` lists what autograd saved, by the operator that saved it.
+:func:`saved_by_autograd` lists what autograd saved, by the operator that saved it, and
+:func:`kept_by_term` names it by the paper's terms;
+:func:`mgtutor.measure.activations.kept_for_backward` measures the bytes a layer keeps.
 """
 
 from __future__ import annotations
@@ -37,7 +39,6 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from mgtutor.measure.activations import LiveTensors
 from mgtutor.parallel.tensor_comms import (
     _all_gather,
     _reduce_scatter,
@@ -52,7 +53,6 @@ __all__ = [
     "ParallelGPTLayer",
     "gather_linear",
     "kept_by_term",
-    "kept_for_backward",
     "saved_by_autograd",
 ]
 
@@ -297,7 +297,7 @@ def kept_by_term(layer: GPTLayer, output: torch.Tensor) -> dict[str, int]:
         output: a result of ``layer``'s forward (a loss computed from it).
 
     Returns:
-        The names of :func:`mgtutor.measure.activation_plan.activation_terms` (with "layer norm
+        The names of :func:`mgtutor.plan.activation_plan.activation_terms` (with "layer norm
         statistics") to bytes.
     """
     inputs = {layer.qkv: "qkv input", layer.proj: "projection input", layer.fc1: "fc1 input"}
@@ -325,40 +325,3 @@ def kept_by_term(layer: GPTLayer, output: torch.Tensor) -> dict[str, int]:
         counted.add(t["storage"])
         out[term] = out.get(term, 0) + t["nbytes"]
     return out
-
-
-def kept_for_backward(
-    layer: GPTLayer, x: torch.Tensor, recompute: str = "none"
-) -> tuple[int, dict[str, int]]:
-    """Bytes one forward of ``layer`` keeps for backward, measured, then its backward run.
-
-    Inside :class:`~mgtutor.measure.activations.LiveTensors`, ``x`` is first copied (the layer's
-    input is the previous layer's output, made in the step), the layer runs and the loss is
-    the output's sum; the bytes alive then, less the loss's own, are what backward will read.
-
-    Args:
-        layer: a :class:`GPTLayer` or :class:`ParallelGPTLayer` in training mode.
-        x: the input, (batch, sequence, hidden), or this rank's share of the sequence.
-        recompute: "none"; "selective" (the attention core checkpointed); "full" (the whole
-            layer checkpointed, ``torch.utils.checkpoint``, non-reentrant).
-
-    Returns:
-        The bytes kept, and (without recomputation) :func:`kept_by_term`; ``{}`` otherwise,
-        since reading a checkpointed graph's saved tensors would recompute them.
-    """
-    layer.checkpoint_core = recompute == "selective"
-    try:
-        with LiveTensors() as live:
-            copy_of_x = x.clone()
-            if recompute == "full":
-                y = torch.utils.checkpoint.checkpoint(layer, copy_of_x, use_reentrant=False)
-            else:
-                y = layer(copy_of_x)
-            loss = y.sum()
-            del y, copy_of_x
-            kept = live.live_bytes() - loss.untyped_storage().nbytes()
-            terms = kept_by_term(layer, loss) if recompute == "none" else {}
-            loss.backward()
-    finally:
-        layer.checkpoint_core = False
-    return kept, terms

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -339,18 +340,24 @@ class P2PCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _no_phase(name: str) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
 def run_order(
     stage: HandStage,
     order: Sequence[Action],
     inputs: Sequence[torch.Tensor] | None = None,
     targets: Sequence[torch.Tensor] | None = None,
     held: HeldMicroBatches | None = None,
+    phase: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
 ) -> list[tuple[str, int, float, float]]:
     """Run ``order`` on ``stage``, then wait for its sends; time each action's compute.
 
-    Waiting is timed apart from computing, as mgtutor phases "wait" (receiving this action's
-    input, and the previous send of the kind it sends being received), "forward" and
-    "backward", so :func:`mgtutor.plot_timeline` draws the bubble as "wait". The first stage
+    Waiting is timed apart from computing. Given ``phase=mgtutor.phase``, each action is also
+    recorded as the phases "wait" (receiving this action's input, and the previous send of the
+    kind it sends being received), "forward" and "backward", so that
+    :func:`mgtutor.plot_timeline` draws the bubble as "wait". The first stage
     needs ``inputs`` and the last ``targets``, one per micro-batch. Sends and receives: those
     of :meth:`HandStage.forward` and :meth:`HandStage.backward` for each action. With ``held``,
     each forward's saved tensors are noted and the micro-batches held are counted after each
@@ -360,8 +367,8 @@ def run_order(
         One ``(kind, micro-batch, start, end)`` per action, ``perf_counter`` seconds of its
         compute alone.
     """
-    from mgtutor.measure.timing import phase
-
+    if phase is None:
+        phase = _no_phase
     spans = []
     for kind, i in order:
         received = None

@@ -11,7 +11,6 @@ matplotlib.use("Agg")
 
 import mgtutor  # noqa: E402
 from mgtutor.measure import breakdown as breakdown_module  # noqa: E402
-from mgtutor.measure import memplan  # noqa: E402
 from mgtutor.measure.activations import LiveTensors, SavedActivations  # noqa: E402
 
 BATCH, WIDTH = 32, 128
@@ -65,17 +64,17 @@ def test_tracked_breakdown_measures_activations_on_cpu_and_resets() -> None:
     try:
         model(torch.randn(BATCH, 64)).sum().backward()
         opt.step()
-        b = memplan.tracked_breakdown()
+        b = breakdown_module.tracked_breakdown()
         assert b.device == "cpu" and b.activations == SAVED and b.rest_of_peak is None
         assert "rest of the peak: SKIPPED on CPU" in " ".join(b.notes)
         breakdown_module.reset_tracked_peak()  # what a rank does when the next call starts
-        assert memplan.tracked_breakdown().activations == 0
+        assert breakdown_module.tracked_breakdown().activations == 0
     finally:
-        memplan.clear_tracked()
+        breakdown_module.clear_tracked()
     model(torch.randn(BATCH, 64))
-    assert memplan.tracked_breakdown() is None
+    assert breakdown_module.tracked_breakdown() is None
     # Without track, nothing watched the forward: unknown, not zero.
-    assert memplan.breakdown(model, opt).activations is None
+    assert breakdown_module.breakdown(model, opt).activations is None
 
 
 @pytest.fixture
@@ -94,7 +93,7 @@ def test_on_a_gpu_the_categories_add_up_to_the_peak_each_what_its_name_says(on_a
     model(torch.randn(BATCH, 64)).sum().backward()
     opt.step()
     params = sum(p.nbytes for p in model.parameters())
-    b = memplan.breakdown(model, opt, activations=SAVED)
+    b = breakdown_module.breakdown(model, opt, activations=SAVED)
     assert b.activations == SAVED, "activations are what autograd saved, not the peak's rest"
     held = b.parameters + b.gradients + b.optimizer_state + SAVED
     assert b.parameters == b.gradients == params
@@ -106,13 +105,15 @@ def test_on_a_gpu_the_categories_add_up_to_the_peak_each_what_its_name_says(on_a
     heights = {c.get_label(): c.patches[0].get_height() for c in ax.containers}
     assert heights["activations"] == pytest.approx(SAVED / 2**20)
     # Unmeasured activations stay unknown; the rest then holds them, and says so by its name.
-    untracked = memplan.breakdown(model, opt)
+    untracked = breakdown_module.breakdown(model, opt)
     assert untracked.activations is None and untracked.total == on_a_gpu
 
 
 def test_categories_that_exceed_the_peak_say_so(on_a_gpu) -> None:
     model = mlp()
-    b = memplan.breakdown(model, activations=on_a_gpu)  # more than fits beside the parameters
+    b = breakdown_module.breakdown(
+        model, activations=on_a_gpu
+    )  # more than fits beside the parameters
     assert b.rest_of_peak == 0
     assert any("exceed the peak" in note for note in b.notes)
 

@@ -10,8 +10,8 @@ import pytest
 matplotlib.use("Agg")
 
 import mgtutor  # noqa: E402
+from mgtutor.launcher.run import RankResult, Run  # noqa: E402
 from mgtutor.measure.memory import MemoryStats  # noqa: E402
-from mgtutor.measure.run import RankResult, Run  # noqa: E402
 from mgtutor.measure.timing import PhaseRecord, StepTimer  # noqa: E402
 
 

@@ -17,8 +17,8 @@ import torch
 import mgtutor
 from mgtutor.doctor.record import recorder_available
 from mgtutor.measure import traffic
-from mgtutor.measure.planner import Transformer, plan
 from mgtutor.measure.traffic import Call
+from mgtutor.plan.planner import Transformer, plan
 
 GB = 10**9
 # An odd vocabulary: the embedding's 11 rows are padded to 12 by FSDP2 on 2 ranks.

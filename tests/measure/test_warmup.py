@@ -10,8 +10,8 @@ matplotlib.use("Agg")
 from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 
 import mgtutor  # noqa: E402
+from mgtutor.launcher.run import RankResult, Run, count_warmup  # noqa: E402
 from mgtutor.measure.memory import MemoryStats  # noqa: E402
-from mgtutor.measure.run import RankResult, Run, count_warmup  # noqa: E402
 from mgtutor.measure.timing import PhaseRecord  # noqa: E402
 
 # As a GPU ran small_cnn: step 0 about 600 ms (CUDA's context, cuDNN's algorithms), then 2 ms.

@@ -8,6 +8,7 @@ one process, the messages sent (count and bytes), the micro-batches held at once
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import Any
@@ -113,9 +114,11 @@ def _pipeline_worker(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> 
         module.zero_grad(set_to_none=True)
         stage = cls(module, rank, world, (MICRO, HIDDEN), torch.float64, _sum_mse)
         held = HeldMicroBatches(skip=[*module.parameters(), x])
+        phases: list[str] = []
         with P2PCounter() as p2p:
-            run_order(stage, order, inputs, targets, held=held)
+            run_order(stage, order, inputs, targets, held=held, phase=_noting(phases))
         result[name] = {
+            "phases": phases,
             "grads": _grads(module),
             "sent": stage.sent,
             "held": held.peak,
@@ -128,6 +131,17 @@ def _pipeline_worker(model: nn.Sequential, x: torch.Tensor, y: torch.Tensor) -> 
             order = _run_torch(cls, scale, module, rank, world, x, y)
             result[cls.__name__, scale] = {"order": order, "grads": _grads(module)}
     return result
+
+
+def _noting(names: list[str]) -> Any:
+    """A ``phase`` for run_order that notes each phase's name as it is entered."""
+
+    @contextlib.contextmanager
+    def phase(name: str) -> Any:
+        names.append(name)
+        yield
+
+    return phase
 
 
 def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -227,3 +241,13 @@ def test_replay_finds_the_interleaved_bubble_in_torchs_orders() -> None:
     assert [[a for a in row if a] for row in rows] == orders
     with pytest.raises(ValueError, match="deadlock"):
         replay_ticks([[(0, "W", 0)], []], 2)  # a weight gradient before its input gradient
+
+
+def test_run_order_marks_each_action_as_a_wait_then_its_compute_in_the_phase_it_is_given() -> None:
+    for rank, result in enumerate(_launch()):
+        for name, order in [
+            ("gpipe", gpipe_order(N_MICRO)),
+            ("1f1b", one_f_one_b_order(rank, 2, N_MICRO)),
+        ]:
+            kinds = ["forward" if kind == "F" else "backward" for kind, _ in order]
+            assert result[name]["phases"] == [p for k in kinds for p in ("wait", k)], (rank, name)

@@ -6,7 +6,7 @@ tensor and for sequence parallelism against the same block in one process (outpu
 gradient), the collectives each ran, torch's ``parallelize_module`` on the same block with the
 collectives counted by ``CollectiveCounter`` and, from torch 2.14 (before it, it fails around
 module hooks), by torch's ``CommDebugMode`` too, the activations each keeps, and
-``memplan.estimate(strategy="tp")`` against ``memplan.breakdown`` of the ranks; the tests below
+``memplan.estimate(strategy="tp")`` against ``breakdown.breakdown`` of the ranks; the tests below
 each read their part.
 """
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import mgtutor
-from mgtutor.measure import memplan
+from mgtutor.measure import breakdown as breakdown_module
 from mgtutor.measure.activations import LiveTensors
 from mgtutor.parallel import tensor as tp
 from mgtutor.parallel.tensor_comms import (
@@ -33,6 +33,7 @@ from mgtutor.parallel.tensor_comms import (
     reduce_from_parallel,
     reduce_scatter_to_sequence,
 )
+from mgtutor.plan import memplan
 
 DIM, HEADS, HIDDEN, BATCH, SEQ = 16, 4, 64, 2, 8
 COMM_DEBUG_MODE_WORKS = torch.__version__ >= (2, 14)  # IndexError in _fw_set_module_hook before
@@ -203,7 +204,7 @@ def _torch_way(block, x, ref, rank, world) -> dict[str, Any] | str:
     opt = torch.optim.Adam(model.parameters())
     model(x.float()).sum().backward()
     opt.step()
-    out["memory"] = (estimate, memplan.breakdown(model, opt))
+    out["memory"] = (estimate, breakdown_module.breakdown(model, opt))
     return out
 
 

@@ -15,7 +15,7 @@ import mgtutor
 import mgtutor.launcher.magic
 
 # The module, not the function mgtutor.progress that the package exports under its name.
-progress_module = importlib.import_module("mgtutor.measure.progress")
+progress_module = importlib.import_module("mgtutor.launcher.progress")
 
 ipywidgets = pytest.importorskip("ipywidgets")
 

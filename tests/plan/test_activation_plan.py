@@ -12,12 +12,12 @@ import re
 import pytest
 
 import mgtutor
-from mgtutor.measure.activation_plan import (
+from mgtutor.plan.activation_plan import (
     PAPER_TERMS,
     activation_bytes_per_layer,
     activation_terms,
 )
-from mgtutor.measure.planner import Transformer
+from mgtutor.plan.planner import Transformer
 
 torch = pytest.importorskip("torch")
 
@@ -40,7 +40,8 @@ def test_terms_are_the_papers_and_add_up_to_its_table_2():
 
 
 def _measured_case(dtype, mask):
-    from mgtutor.parallel.gpt_layer import GPTLayer, kept_for_backward
+    from mgtutor.measure.activations import kept_for_backward
+    from mgtutor.parallel.gpt_layer import GPTLayer
 
     torch.manual_seed(0)
     layer = GPTLayer(H, A, p=0.1, mask=mask).to(dtype)
@@ -71,7 +72,8 @@ def test_one_process_keeps_each_term_of_the_plan(dtype, mask, precision, mask_by
 
 
 def test_one_process_recomputation():
-    from mgtutor.parallel.gpt_layer import GPTLayer, kept_for_backward
+    from mgtutor.measure.activations import kept_for_backward
+    from mgtutor.parallel.gpt_layer import GPTLayer
 
     torch.manual_seed(0)
     layer = GPTLayer(H, A, p=0.1)
@@ -91,7 +93,8 @@ def _in_ranks() -> dict:
     """Per rank: what each split of one layer keeps, and its output against one process."""
     import torch.distributed as dist
 
-    from mgtutor.parallel.gpt_layer import GPTLayer, ParallelGPTLayer, kept_for_backward
+    from mgtutor.measure.activations import kept_for_backward
+    from mgtutor.parallel.gpt_layer import GPTLayer, ParallelGPTLayer
 
     mgtutor.setup()
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,6 +1,6 @@
 """The planner's rules about what runs: collectives per layer, layouts torch refuses, the bubble.
 
-:mod:`mgtutor.measure.planner` does the arithmetic of bytes; this module holds the rules that
+:mod:`mgtutor.plan.planner` does the arithmetic of bytes; this module holds the rules that
 decide which calls a layout makes and whether torch runs it at all, each checked against what
 runs (``tests/measure/test_planner.py``):
 
@@ -8,8 +8,8 @@ runs (``tests/measure/test_planner.py``):
   per micro-batch, counted on 2 CPU ranks with :class:`mgtutor.parallel.gpt_layer.ParallelGPTLayer`
   (and ``torch.utils.checkpoint`` around it for full recomputation).
 * :func:`refusal`: why torch does not run a layout, or None.
-* :func:`bubble` and :func:`bubble_scaled_bytes`, the rule :func:`~mgtutor.measure.planner.layouts`
-  ranks by (:data:`RANKING_RULE`). :func:`mgtutor.measure.step_time.ranked` ranks by time instead.
+* :func:`bubble` and :func:`bubble_scaled_bytes`, the rule :func:`~mgtutor.plan.planner.layouts`
+  ranks by (:data:`RANKING_RULE`). :func:`mgtutor.plan.step_time.ranked` ranks by time instead.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def tp_collectives_per_layer(
       6 all-gathers, 4 reduce-scatters.
     * ``keep_gathered``: the gathered inputs are kept whole, so backward gathers nothing again:
       4 and 4 (and more activation memory: see
-      :func:`~mgtutor.measure.activation_plan.activation_terms`).
+      :func:`~mgtutor.plan.activation_plan.activation_terms`).
     * Full recomputation re-runs the layer's forward in backward, its collectives included:
       2 all-reduces more, or 2 all-gathers and 2 reduce-scatters more. Selective recomputation
       re-runs only the attention core, which communicates nothing.
@@ -121,7 +121,7 @@ def candidate_layouts(
 def refused_layouts(
     model: Any, gpus: int, *, zero: tuple[int, ...] = (0, 1, 2, 3), micro_batches: int = 1
 ) -> list[tuple[str, str]]:
-    """What :func:`~mgtutor.measure.planner.layouts` leaves out as torch does not run it.
+    """What :func:`~mgtutor.plan.planner.layouts` leaves out as torch does not run it.
 
     Returns:
         (layout, why) for each refused layout, e.g. ("dp=1 x tp=1 x pp=8", "pp=8 with 4 ...").

@@ -11,7 +11,9 @@ import torch
 from torch import nn
 
 import mgtutor
-from mgtutor.measure import memplan, plots
+from mgtutor.measure import breakdown as breakdown_module
+from mgtutor.measure import plots
+from mgtutor.plan import memplan
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication")
 
@@ -52,7 +54,7 @@ def three_strategies() -> dict:
         ddp = DDP(odd_model(), gradient_as_bucket_view=view)
         opt = torch.optim.Adam(ddp.parameters())
         train(ddp, opt)
-        out[name] = memplan.breakdown(ddp, opt)
+        out[name] = breakdown_module.breakdown(ddp, opt)
         buckets = ddp.reducer._get_zeros_like_grad_buckets()
         out[name + "_zeros_like_buckets"] = sum(b.buffer().nbytes for b in buckets)
     ddp = DDP(odd_model())
@@ -61,10 +63,10 @@ def three_strategies() -> dict:
     params = list(ddp.parameters())
     mine = zero._partition_parameters()[dist.get_rank()][0]["params"]
     out["zero_owned"] = [i for i, p in enumerate(params) if any(p is q for q in mine)]
-    memplan.track(ddp.module, zero, ddp=ddp)
-    out["zero1"] = memplan.tracked_breakdown()
-    out["tracked_again"] = memplan.tracked_breakdown()  # kept, for a pool's later calls
-    memplan.clear_tracked()
+    breakdown_module.track(ddp.module, zero, ddp=ddp)
+    out["zero1"] = breakdown_module.tracked_breakdown()
+    out["tracked_again"] = breakdown_module.tracked_breakdown()  # kept, for a pool's later calls
+    breakdown_module.clear_tracked()
     try:
         from torch.distributed.fsdp import fully_shard  # public from torch 2.6
     except ImportError:
@@ -77,7 +79,7 @@ def three_strategies() -> dict:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters())
     train(model, opt)
-    out["fsdp"] = memplan.breakdown(model, opt)
+    out["fsdp"] = breakdown_module.breakdown(model, opt)
     return out
 
 
@@ -151,11 +153,11 @@ def test_tracked_breakdown_travels_back_and_stays_until_cleared(measured):
 
 def test_clear_tracked_forgets():
     model = odd_model()
-    memplan.track(model)
-    memplan.clear_tracked()
-    assert memplan.tracked_breakdown() is None
-    memplan.track(model)
-    assert memplan.tracked_breakdown().parameters == 53 * 4
+    breakdown_module.track(model)
+    breakdown_module.clear_tracked()
+    assert breakdown_module.tracked_breakdown() is None
+    breakdown_module.track(model)
+    assert breakdown_module.tracked_breakdown().parameters == 53 * 4
 
 
 @pytest.mark.parametrize("name", sorted(memplan.OPTIMIZER_STATE_PER_ELEMENT))
@@ -171,7 +173,7 @@ def test_optimizer_state_per_optimizer(name):
     }[name]
     opt = make(model.parameters())
     train(model, opt)
-    got = memplan.breakdown(model, opt)
+    got = breakdown_module.breakdown(model, opt)
     want = memplan.estimate(model, optimizer=name)[0]
     assert categories(got) == {**categories(want), "communication": 0}
 
@@ -181,7 +183,7 @@ def test_shared_storages_count_once():
     model[1].weight = model[0].weight
     model.register_buffer("flat", torch.zeros(8))
     model.register_buffer("first_half", model.flat[:4])
-    assert memplan.breakdown(model).parameters == 16 * 4 + 8 * 4
+    assert breakdown_module.breakdown(model).parameters == 16 * 4 + 8 * 4
 
 
 def test_estimate_from_a_count():

@@ -1,6 +1,6 @@
 """A clock for the planner: the predicted time of one training step of a layout, term by term.
 
-:func:`step_time` takes a :class:`~mgtutor.measure.planner.Plan` (what one GPU holds and
+:func:`step_time` takes a :class:`~mgtutor.plan.planner.Plan` (what one GPU holds and
 sends), the model's shape and a :class:`Hardware` (what a GPU computes per second, what each
 link carries), and returns a :class:`StepTime`: compute, each group's exposed communication and
 the pipeline's bubble, in seconds. :func:`ranked` sorts every layout the planner keeps by that
@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from mgtutor.measure.planner import Plan, Transformer, layouts
+from mgtutor.plan.planner import Plan, Transformer, layouts
 
 __all__ = [
     "DDP_BUCKET_BYTES",
@@ -218,10 +218,10 @@ def step_time(
     """The predicted time of one optimizer step of ``plan`` on ``hardware``, split into parts.
 
     Args:
-        plan: a layout from :func:`~mgtutor.measure.planner.plan`.
+        plan: a layout from :func:`~mgtutor.plan.planner.plan`.
         model: the shape the plan was made for.
         hardware: the machine.
-        recompute: as given to :func:`~mgtutor.measure.planner.plan` ("none", "selective",
+        recompute: as given to :func:`~mgtutor.plan.planner.plan` ("none", "selective",
             "full"); it adds compute here.
         chunks: model chunks per GPU of an interleaved pipeline schedule (v); 1 for GPipe/1F1B.
         bucket_bytes: DDP's bucket size; the last bucket's all-reduce cannot hide.
@@ -288,7 +288,7 @@ def step_time(
 
 
 def time_key(model: Transformer, hardware: Hardware, recompute: str = "none") -> Any:
-    """A sort key for :func:`~mgtutor.measure.planner.layouts`: fastest first (most tokens/s
+    """A sort key for :func:`~mgtutor.plan.planner.layouts`: fastest first (most tokens/s
     per GPU), then less memory: ``layouts(model, gpus, memory, key=time_key(model, hw))``."""
 
     def key(p: Plan) -> tuple[float, int]:
@@ -306,14 +306,14 @@ def ranked(
     recompute: str = "none",
     **options: Any,
 ) -> list[tuple[Plan, StepTime]]:
-    """Every layout :func:`~mgtutor.measure.planner.layouts` keeps (it runs and fits
+    """Every layout :func:`~mgtutor.plan.planner.layouts` keeps (it runs and fits
     ``hardware.memory``), fastest first by predicted step time (most tokens/s per GPU).
 
     Args:
-        model, gpus: as :func:`~mgtutor.measure.planner.layouts`.
+        model, gpus: as :func:`~mgtutor.plan.planner.layouts`.
         hardware: the machine; its memory per GPU decides what fits.
         recompute: passed to the planner and to :func:`step_time`.
-        options: passed to :func:`~mgtutor.measure.planner.layouts` (zero, micro_batches, ...).
+        options: passed to :func:`~mgtutor.plan.planner.layouts` (zero, micro_batches, ...).
 
     Returns:
         (plan, step time) pairs, highest tokens per second per GPU first.

@@ -8,7 +8,7 @@ layout for a number of GPUs and keeps those that fit.
 
 Everything here is arithmetic; the tests check each category against what CPU ranks hold and
 run (``tests/measure/test_planner.py``, ``test_activation_plan.py``, ``test_traffic.py``): the
-float32 model states against :func:`mgtutor.measure.memplan.estimate` (equal to what ranks
+float32 model states against :func:`mgtutor.plan.memplan.estimate` (equal to what ranks
 hold), the activations term by term against autograd in
 :class:`mgtutor.parallel.gpt_layer.GPTLayer`, and every collective against the calls counted in
 ranks (DDP, pipeline, TP and SP with and without recomputation; torch's ZeRO-1/2/3 in
@@ -28,7 +28,7 @@ Sources of the formulas:
 * Tensor parallelism: Shoeybi et al., "Megatron-LM", arXiv:1909.08053, section 3: two
   all-reduces of the layer's activation forward and two backward per layer (notebook 13).
   Sequence parallelism, recomputation, what torch refuses, the bubble and the ranking rule:
-  :mod:`~mgtutor.measure.plan_rules`.
+  :mod:`~mgtutor.plan.plan_rules`.
 * Float32 gradients with 16-bit parameters ("mixed_fp32_grads"): Megatron-LM's
   ``docs/source/api-guide/dist_optimizer.md`` (commit 50b073c), "float16 param, fp32 grads |
   18 | 6 + 12/d" bytes per parameter: gradients are accumulated and reduced in float32.
@@ -41,13 +41,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mgtutor.measure.activation_plan import (
+from mgtutor.plan.activation_plan import (
     ACTIVATIONS_SOURCE,
     ELEMENT_BYTES,
     activation_bytes_per_layer,
     activation_terms,
 )
-from mgtutor.measure.plan_rules import (
+from mgtutor.plan.plan_rules import (
     MAX_BUBBLE,
     RANKING_RULE,
     bubble,
@@ -260,7 +260,7 @@ def plan(
     the updated parameters (the ZeRO paper's 2x the parameters); ZeRO-3 all-gathers the
     parameters in forward and again in backward and reduce-scatters the gradients, per
     micro-batch (3x). Tensor parallelism: the b·s·h activation, per layer per micro-batch,
-    :func:`~mgtutor.measure.plan_rules.tp_collectives_per_layer` times (4 all-reduces; with
+    :func:`~mgtutor.plan.plan_rules.tp_collectives_per_layer` times (4 all-reduces; with
     sequence parallelism 6 all-gathers and 4 reduce-scatters, 4 and 4 with ``keep_gathered``;
     2 more of each forward collective under full recomputation). Pipeline: the activation
     (b·s·h/t with sequence parallelism) sent forward and its gradient sent back at each stage
@@ -289,7 +289,7 @@ def plan(
         ValueError: if the layout does not multiply to ``gpus``, a size is below 1, the
             heads do not split over ``tp``, ``pp`` exceeds the layers, ``zero`` or
             ``precision`` is unknown, or torch does not run the layout
-            (:func:`~mgtutor.measure.plan_rules.refusal` says why).
+            (:func:`~mgtutor.plan.plan_rules.refusal` says why).
 
     Example:
         >>> plan(Transformer(layers=32, hidden=4096, heads=32, seq_len=4096), 8, 80 * 10**9).fits
@@ -383,7 +383,7 @@ def layouts(
         model, gpus, gpu_memory: as :func:`plan`.
         zero: the ZeRO stages to try.
         max_bubble: the bubble above which a layout ranks after all others.
-        key: the sort key; by default :func:`~mgtutor.measure.plan_rules.rank_key`.
+        key: the sort key; by default :func:`~mgtutor.plan.plan_rules.rank_key`.
         options: passed to :func:`plan` (precision, micro_batches, sequence_parallel, ...).
 
     Returns:

@@ -7,8 +7,8 @@ import inspect
 import pytest
 
 import mgtutor
-from mgtutor.measure import planner
-from mgtutor.measure.planner import Transformer, layouts, plan
+from mgtutor.plan import planner
+from mgtutor.plan.planner import Transformer, layouts, plan
 
 GB = 10**9
 
@@ -78,7 +78,7 @@ def test_ddp_zero1_and_fsdp_equal_memplan_in_float32():
     # memplan.estimate equals what breakdown measures inside 2 CPU ranks (test_memplan), so the
     # planner's float32 categories equal the ranks' bytes. An odd count shows rank 0's share.
     torch = pytest.importorskip("torch")
-    from mgtutor.measure import memplan
+    from mgtutor.plan import memplan
 
     p = 1_000_001
     cases = [
@@ -97,8 +97,8 @@ def test_ddp_zero1_and_fsdp_equal_memplan_in_float32():
 
 
 def test_tensor_parallel_block_equals_memplan_in_float32():
-    from mgtutor.measure import memplan
     from mgtutor.parallel.tensor import Block
+    from mgtutor.plan import memplan
 
     block = Block(dim=8, n_heads=2, hidden=16)
     styles = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise"}
@@ -203,7 +203,8 @@ def _tp_collectives_in_ranks() -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from mgtutor.measure import traffic
-    from mgtutor.parallel.gpt_layer import GPTLayer, ParallelGPTLayer, kept_for_backward
+    from mgtutor.measure.activations import kept_for_backward
+    from mgtutor.parallel.gpt_layer import GPTLayer, ParallelGPTLayer
 
     mgtutor.setup()
     rank = dist.get_rank()

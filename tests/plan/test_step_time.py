@@ -8,9 +8,9 @@ import pytest
 
 import mgtutor
 from mgtutor.measure import step_calibrate, step_check
-from mgtutor.measure.plan_rules import refused_layouts
-from mgtutor.measure.planner import Transformer, layouts, plan
-from mgtutor.measure.step_time import (
+from mgtutor.plan.plan_rules import refused_layouts
+from mgtutor.plan.planner import Transformer, layouts, plan
+from mgtutor.plan.step_time import (
     H100_SXM_NODE,
     Hardware,
     Link,

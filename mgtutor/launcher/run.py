@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mgtutor.measure.breakdown import MemoryBreakdown
-from mgtutor.measure.memory import MemoryStats, format_bytes
+from mgtutor.measure.memory import MemoryStats
 from mgtutor.measure.timing import STEP, PhaseRecord
+from mgtutor.plan.memplan import MemoryBreakdown
+from mgtutor.units import format_bytes
 
 __all__ = ["WARMUP_FACTOR", "RankResult", "Run", "count_warmup"]
 

@@ -6,9 +6,9 @@ optimizer state, DDP's buckets) for DDP, ZeRO-1 (DDP plus ``ZeroRedundancyOptimi
 (``fully_shard``) and tensor parallelism, following what torch 2.14 does (see its docstring for
 each rule and what it leaves out). :func:`zero_partition` is ZeRO-1's split of the parameters.
 
-The measured side is re-exported here (:func:`breakdown`, :class:`MemoryBreakdown`,
-:func:`track`) so that one module answers both questions, as notebook 12 asks them:
-``memplan.estimate(...)`` against ``memplan.breakdown(...)``.
+:class:`MemoryBreakdown` is the record both sides fill: an estimate here, a measurement in
+:mod:`mgtutor.measure.breakdown`, so that notebook 12 sets ``memplan.estimate(...)`` beside
+``breakdown(...)`` field by field.
 
 torch is imported inside the functions, so importing this module stays cheap.
 """
@@ -17,16 +17,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from mgtutor.measure.breakdown import (
-    CATEGORIES,
-    MemoryBreakdown,
-    breakdown,
-    clear_tracked,
-    track,
-    tracked_breakdown,
-)
+from mgtutor.units import format_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -36,13 +30,82 @@ __all__ = [
     "CATEGORIES",
     "OPTIMIZER_STATE_PER_ELEMENT",
     "MemoryBreakdown",
-    "breakdown",
-    "clear_tracked",
     "estimate",
-    "track",
-    "tracked_breakdown",
     "zero_partition",
 ]
+
+#: The categories a breakdown sums, in the order the bars stack them.
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer_state",
+    "communication",
+    "activations",
+    "rest_of_peak",
+)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """One rank's bytes by category, measured (in :mod:`mgtutor.measure.breakdown`) or estimated.
+
+    Attributes:
+        parameters: parameter storages (this rank's shard where sharded), plus module buffers.
+        gradients: gradient storages not already counted as parameters.
+        optimizer_state: the optimizer's state tensors (for ``ZeroRedundancyOptimizer``, the
+            local optimizer's, which holds only this rank's partition).
+        communication: communication buffers that stay allocated between steps: DDP's gradient
+            buckets, less the part shared with gradients (``gradient_as_bucket_view=True``).
+        activations: the most bytes autograd held for backward at the end of the tracked
+            model's forward (:class:`~mgtutor.measure.activations.SavedActivations`, on any
+            device); None where nothing watched the forward (a :func:`breakdown` called without
+            :func:`track`) or it was not estimated.
+        rest_of_peak: on a GPU rank, the allocator's peak less every category above: library
+            workspaces, temporaries alive at the peak (a foreach optimizer's parameter-sized
+            ones, for one), the allocator's rounding, and the activations when nothing measured
+            them; so the categories add up to the peak. None on CPU ranks and in estimates.
+        transient: estimates only: buffers that exist only inside a step and are not in the
+            other categories (FSDP's unsharded parameters and gradients of the largest unit);
+            None otherwise.
+        peak: the allocator's peak (``torch.cuda.max_memory_allocated``) on a GPU rank, the
+            process's peak resident memory on a CPU rank, None for an estimate.
+        peak_source: what ``peak`` is.
+        device: the rank's device, or "estimate".
+        notes: what was counted or skipped, in words.
+    """
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    communication: int
+    activations: int | None = None
+    rest_of_peak: int | None = None
+    transient: int | None = None
+    peak: int | None = None
+    peak_source: str = ""
+    device: str = "estimate"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def total(self) -> int:
+        """The categories' sum: the peak on a GPU rank (see ``notes`` where they exceed it).
+
+        ``transient`` is extra.
+        """
+        return sum(getattr(self, name) or 0 for name in CATEGORIES)
+
+    def as_dict(self) -> dict[str, int | None]:
+        """The byte categories by name, ``total`` included."""
+        out: dict[str, int | None] = {f.name: getattr(self, f.name) for f in fields(self)}
+        for key in ("peak_source", "device", "notes"):
+            out.pop(key)
+        out["total"] = self.total
+        return out
+
+    def __str__(self) -> str:
+        parts = [f"{name} {format_bytes(getattr(self, name))}" for name in CATEGORIES]
+        return f"MemoryBreakdown({self.device}: " + ", ".join(parts) + ")"
+
 
 #: State tensors each optimizer keeps per parameter element (each the parameter's dtype), and
 #: whether it also keeps a float32 ``step`` scalar per parameter tensor, in torch 2.14 with the

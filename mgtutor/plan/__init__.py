@@ -1,0 +1,16 @@
+"""Predictions: what a layout will cost per GPU, computed ahead from formulas, before any run.
+
+* :mod:`.memplan`: each rank's memory by category (parameters, gradients, optimizer state, DDP
+  buckets) per strategy (DDP, ZeRO-1, FSDP, TP), and :class:`~.memplan.MemoryBreakdown`, the
+  record that :mod:`mgtutor.measure.breakdown` fills with what a rank measured.
+* :mod:`.planner`: a transformer's memory per GPU and communication per step, from published
+  formulas, for any layout of data (ZeRO 0-3), tensor and pipeline parallelism.
+* :mod:`.plan_rules`: the planner's rules about what runs: TP and SP collectives per layer,
+  the layouts torch refuses, the pipeline bubble and the ranking rule.
+* :mod:`.activation_plan`: the activations one layer keeps for backward, term by term
+  (Korthikanti et al.), with the element and dropout-mask bytes as parameters.
+
+Where it stands: a plan imports nothing of mgtutor but :mod:`mgtutor.units`; what measures a
+run (:mod:`mgtutor.measure`) imports the plan, to set what ran beside what was predicted.
+Nothing here imports torch at import time.
+"""
