@@ -184,16 +184,12 @@ def _measure_rank(
 @dataclass(frozen=True)
 class Measured:
     """One configuration's measured step times (the slower rank's, per step) and its
-    predictions (one per step, at the FLOP/s and per-call latencies timed just before it)."""
+    prediction, at the median of the FLOP/s (and of the small collectives' seconds) timed just
+    before each of those steps."""
 
     name: str
-    predictions: list[StepTime]
+    predicted: StepTime
     seconds: list[float]
-
-    @property
-    def predicted(self) -> StepTime:
-        """The prediction with the median total."""
-        return sorted(self.predictions, key=lambda p: p.total)[len(self.predictions) // 2]
 
     @property
     def median(self) -> float:
@@ -227,7 +223,7 @@ def check(
     again beside each configuration's steps (as :func:`calibrate` did, just before each step, on
     the ranks that run it): on a shared machine what a rank gets changes from one second to the
     next, and a small collective's time is mostly the wait for the later rank, which changes
-    with it. Each step's prediction uses the rate and per-call latencies timed before it.
+    with it. The prediction uses the median of what was timed before the configuration's steps.
 
     Args:
         pool: a :class:`mgtutor.Pool` of 2 ranks.
@@ -240,14 +236,15 @@ def check(
         rate: the FLOP/s timed before each step, as given to :func:`calibrate`.
         window: seconds of it before each step.
         calls: small collectives timed before each step (each kind).
-        retime: False keeps ``hardware``'s latencies for every round (the calibration's alone).
+        retime: False keeps ``hardware``'s latencies (the calibration's alone).
         min_seconds: predicted seconds of steps per configuration per round, at least.
 
     Returns:
         One :class:`Measured` per configuration, in ``configs`` order.
     """
     seconds: dict[str, list[float]] = {name: [] for name in configs}
-    predicted: dict[str, list[StepTime]] = {name: [] for name in configs}
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    small: dict[str, dict[str, list[float]]] = {name: {} for name in configs}
     expected = predict(hardware, model)
     # A short step gets more of them: its median rests on as many seconds of steps as a long
     # one's (tensor parallelism's 8 collectives a step each wait for the later rank, and on a
@@ -268,11 +265,17 @@ def check(
                 quiet=True,
             )
             per_rank = [r for r in run.results if r is not None]
-            for i in range(count[name]):  # each step, the slower rank's time and rate
+            for i in range(count[name]):  # each step: the slower rank's time, rate and calls
                 seconds[name].append(max(r[0][i] for r in per_rank))
-                now = replace(hardware, flops={"fp32": min(r[1][i] for r in per_rank)})
-                if retime and per_rank[0][2]:
-                    calls_s = {k: max(r[2][k][i] for r in per_rank) for k in per_rank[0][2]}
-                    now = with_latencies(now, model, calls_s)
-                predicted[name].append(step_time(_plan_of(name, model), model, now))
-    return [Measured(name, predicted[name], seconds[name]) for name in configs]
+                rates[name].append(min(r[1][i] for r in per_rank))
+                for kind in per_rank[0][2]:
+                    small[name].setdefault(kind, []).append(max(r[2][kind][i] for r in per_rank))
+    measured = []
+    for name in configs:
+        now = replace(hardware, flops={"fp32": statistics.median(rates[name])})
+        if retime and small[name]:
+            now = with_latencies(
+                now, model, {kind: statistics.median(v) for kind, v in small[name].items()}
+            )
+        measured.append(Measured(name, step_time(_plan_of(name, model), model, now), seconds[name]))
+    return measured
