@@ -190,8 +190,8 @@ def _check(
     Returns:
         One :class:`CheckResult` per candidate, in order.
     """
-    from mgtutor.launcher._send import dumps
     from mgtutor.launcher.launch import launch
+    from mgtutor.rank.pickling import dumps
 
     name = f"{exercise.name} ({label})" if label else exercise.name
     results: dict[int, CheckResult] = {}

@@ -20,9 +20,9 @@ from typing import Any
 
 from mgtutor.launcher import lifetime
 from mgtutor.launcher._handle import RankHandle
-from mgtutor.launcher._messages import Context
-from mgtutor.launcher._rank import RankSpec, die_with_parent, rank_main
 from mgtutor.launcher._relay import RankOutput
+from mgtutor.rank.loop import RankSpec, die_with_parent, rank_main
+from mgtutor.rank.messages import Context
 
 # What the forkserver imports once, so that ranks forked from it need not. torch._dynamo is
 # here because DDP's constructor imports it: about 2.4 s per rank on a quiet 2-core machine,
@@ -38,7 +38,7 @@ _FORKSERVER_PRELOAD = (
     "cloudpickle",
     "psutil",
     "mgtutor.worker",
-    "mgtutor.launcher._rank",
+    "mgtutor.rank.loop",
     "mgtutor.doctor",
     "mgtutor.measure.memory",
     "mgtutor.measure.timing",

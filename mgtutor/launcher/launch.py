@@ -16,7 +16,7 @@
 A launch is a :class:`mgtutor.Pool` that runs one call and closes
 (``with OneCall(...) as pool: pool.run(fn, ...)``): the same code checks the arguments
 (:mod:`._arguments`), starts the ranks (:mod:`._processes`), sends fn (:mod:`._send`), runs it
-in each rank (:mod:`._rank`), relays output (:mod:`._relay`), watches for faults
+in each rank (:mod:`mgtutor.rank.loop`), relays output (:mod:`._relay`), watches for faults
 (:mod:`._supervise`) and cleans up (:mod:`._cleanup`). :class:`OneCall` changes only when the
 ranks start and that they do not outlive the call.
 """

@@ -40,17 +40,18 @@ from mgtutor.launcher import (
     _arguments,
     _cleanup,
     _handle,
-    _namespace,
     _payload,
     _processes,
+    _report,
     _send,
     lifetime,
 )
-from mgtutor.launcher._messages import Call, Exit
 from mgtutor.launcher._report import Wording
 from mgtutor.launcher._supervise import Supervisor
-from mgtutor.launcher.progress import ProgressBoard
+from mgtutor.launcher.progress_bars import ProgressBoard
 from mgtutor.launcher.run import Run
+from mgtutor.rank import namespace
+from mgtutor.rank.messages import Call, Exit
 
 __all__ = ["Pool"]
 
@@ -345,7 +346,7 @@ class Pool:
         supervisor.run_call(
             call.call, handles, board, timeout, self.start_timeout, keep=self.keeps_ranks
         )
-        _namespace.say_kept_names(handles, self._wording.push)
+        _report.say_kept_names(handles, self._wording.push)
         return _handle.build_run(handles, self.world_size, started, time.perf_counter())
 
     def _say_group_variables_changed(self, environ: dict[str, str]) -> None:
@@ -386,7 +387,7 @@ class Pool:
         """
         if not values:
             raise ArgumentError("push needs name=value pairs, e.g. pool.push(lr=0.1)")
-        self.run(_namespace.set_names, values, ranks=ranks)
+        self.run(namespace.set_names, values, ranks=ranks)
 
     def pull(self, name: str, ranks: Sequence[int] | None = None) -> list[Any]:
         """Each rank's value of ``name`` (from its namespace), in rank order.
@@ -394,4 +395,4 @@ class Pool:
         Raises:
             WorkerError: a rank has no such name (the pool is kept).
         """
-        return self.run(_namespace.get_name, name, ranks=ranks).results
+        return self.run(namespace.get_name, name, ranks=ranks).results

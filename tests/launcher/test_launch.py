@@ -397,7 +397,7 @@ def test_script_without_main_guard_runs_its_top_level_once(tmp_path: Path) -> No
 
 @pytest.mark.any_start_method
 def test_progress_board_draws_one_widget_bar_per_rank() -> None:
-    from mgtutor.launcher.progress import ProgressBoard
+    from mgtutor.launcher.progress_bars import ProgressBoard
 
     board = ProgressBoard(2)
     board._widgets_usable = True  # as in JupyterLab; outside a kernel display() prints a repr

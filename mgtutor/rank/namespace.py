@@ -14,7 +14,7 @@ import sys
 import types
 from typing import Any
 
-from mgtutor.launcher._send import PLAIN_TYPES
+from mgtutor.rank.pickling import PLAIN_TYPES
 
 
 class _RankNamespace(dict):
@@ -154,21 +154,3 @@ def kept_note(names: list[str], where: str = "this rank") -> str:
         f"the notebook's {quoted} {verb} not used on {where}: a name a rank made (in an "
         f"earlier call, a %%ddp cell or by push) is never replaced by the notebook's"
     )
-
-
-def say_kept_names(handles: list[Any], push: str) -> None:
-    """Name the notebook values a call did not use because ranks have their own.
-
-    Args:
-        handles: the ranks the call ran on (:class:`~mgtutor.launcher._handle.RankHandle`).
-        push: how to send the notebook's values (:attr:`~mgtutor.launcher._report.Wording.push`).
-    """
-    by_name: dict[str, list[int]] = {}
-    for h in handles:
-        for name in h.done.record.get("kept", ()) if h.done is not None else ():
-            by_name.setdefault(name, []).append(h.rank)
-    for ranks in sorted({tuple(r) for r in by_name.values()}):
-        names = [n for n, r in by_name.items() if tuple(r) == ranks]
-        note = kept_note(names, f"rank(s) {', '.join(map(str, ranks))}")
-        advice = push.format(pairs=", ".join(f"{n}={n}" for n in names), names=" ".join(names))
-        print(f"mgtutor: {note}. To send the notebook's: {advice}.", flush=True)
