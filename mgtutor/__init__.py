@@ -12,9 +12,10 @@ from the layers below it (``tests/test_layout.py`` checks it), top first:
 * :mod:`mgtutor.launcher`: starting ranks from a cell and looking after them.
   :func:`launch` runs a function once on every rank; :class:`Pool` keeps ranks alive between
   cells; :mod:`~mgtutor.launcher.magic` is the ``%%ddp`` cell magic (``%load_ext mgtutor``);
-  :class:`Run` is what a launch returns; :func:`progress` draws per-rank progress bars.
-  Its underscored modules are the machinery: starting processes, the rank's loop, the messages
-  between notebook and ranks, relaying output, supervision and clean-up.
+  :class:`Run` is what a launch returns. Its underscored modules are the machinery: checking
+  arguments, starting processes, relaying output, supervision and clean-up.
+* :mod:`mgtutor.rank`: what runs inside a rank: its loop, the messages between notebook and
+  ranks, pickling both ways, and :func:`progress` (a rank's count, drawn as a bar per rank).
 * :mod:`mgtutor.doctor`: what the ranks' records of their collectives (torch's Flight
   Recorder) say went wrong in a hang; :func:`~mgtutor.doctor.find_drift`, replicas that differ.
 * :mod:`mgtutor.measure`: what a rank measures and how it is shown: :mod:`~.measure.timing`
@@ -57,7 +58,6 @@ from mgtutor.interactive import Experiment
 from mgtutor.launcher.launch import launch
 from mgtutor.launcher.lifetime import shutdown
 from mgtutor.launcher.pool import Pool
-from mgtutor.launcher.progress import progress
 from mgtutor.launcher.run import RankResult, Run
 from mgtutor.measure.breakdown import track
 from mgtutor.measure.memory import MemoryStats
@@ -70,6 +70,7 @@ from mgtutor.measure.plots import (
 )
 from mgtutor.measure.timing import PhaseRecord, StepTimer, phase, step, timer
 from mgtutor.plan.memplan import MemoryBreakdown
+from mgtutor.rank.progress import progress
 from mgtutor.worker import backend_for, get_contract, setup, teardown
 
 __all__ = [

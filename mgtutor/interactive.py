@@ -100,7 +100,7 @@ class Experiment:
         return self.result
 
     def _ipython_display_(self) -> None:
-        from mgtutor.launcher.progress import display_widget
+        from mgtutor.launcher.progress_bars import display_widget
 
         settings = ", ".join(f"{k}={v!r}" for k, v in self.values.items())
         name = f"{self.title}: " if self.title else ""

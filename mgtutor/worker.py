@@ -9,7 +9,7 @@ too; under SLURM's ``srun``, :func:`setup` reads ``SLURM_PROCID``, ``SLURM_LOCAL
 
 This module must stay cheap to import: every rank imports it before anything else, so torch is
 imported only inside the functions that need it. How a rank process itself starts and runs the
-notebook's calls is in :mod:`mgtutor.launcher._rank`.
+notebook's calls is in :mod:`mgtutor.rank.loop`.
 """
 
 from __future__ import annotations

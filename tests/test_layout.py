@@ -23,7 +23,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("mgtutor",),  # the public names, re-exported from below
     ("interactive",),  # controls that re-run a launch
     ("exercises",),  # checkers that launch a learner's function
-    ("launcher",),  # the notebook's side: launch, Pool, Run, progress, the %%ddp magic
+    ("launcher",),  # the notebook's side: launch, Pool, Run, progress bars, the %%ddp magic
+    ("rank",),  # the rank's side: its loop, the messages, progress, pickling both ways
     ("doctor",),  # a hang's diagnosis, and the ranks' side of it
     ("measure",),  # what a rank measures, and its plots
     ("parallel", "plan"),  # what the notebooks build by hand; what is predicted, by formulas
@@ -147,7 +148,7 @@ def test_find_cycles_finds_a_loop_of_three_and_no_loop_in_a_chain() -> None:
 def test_the_graph_sees_imports_inside_functions_and_under_type_checking() -> None:
     graph = import_graph()
     # _processes imports a module in a function; hardware imports units in a function.
-    assert "mgtutor.launcher._rank" in graph["mgtutor.launcher._processes"]
+    assert "mgtutor.rank.loop" in graph["mgtutor.launcher._processes"]
     assert "mgtutor.units" in graph["mgtutor.hardware"]
     assert "mgtutor" in import_graph(top=True)["mgtutor.bench"]  # import mgtutor, in a function
 

@@ -14,7 +14,7 @@ MathJax from a CDN and show raw TeX without it). Widgets (the per-rank progress 
 experiment controls, the planner) are live only in a running notebook, and no widget state is
 stored or rendered (that would load the widget library from a CDN). In a widget's place the
 page shows the first drawing the widget held when it was shown, where mgtutor stored one
-(mgtutor.launcher.progress.display_widget: the planner's), else the line mgtutor stored as the
+(mgtutor.launcher.progress_bars.display_widget: the planner's), else the line mgtutor stored as the
 widget's text form; a widget shown with ipywidgets' own text form (its Python repr, such as
 "VBox(children=(HBox(children=(IntProgress(...") gets a line saying what kind of widget it was.
 """

@@ -148,8 +148,8 @@ def check_all(
     Returns:
         One :class:`CheckResult` per candidate, in order.
     """
-    from mgtutor.launcher._send import dumps
     from mgtutor.launcher.launch import launch
+    from mgtutor.rank.pickling import dumps
 
     name = f"{exercise.name} ({label})" if label else exercise.name
     results: dict[int, CheckResult] = {}

@@ -1,21 +1,17 @@
-"""The launcher: starting ranks from a notebook cell, running functions on them, cleaning up.
+"""The launcher, the notebook's side: starting ranks from a cell, calling them, cleaning up.
 
 Public: :func:`~mgtutor.launcher.launch.launch` (run a function once on every rank),
 :class:`~mgtutor.launcher.pool.Pool` (ranks kept alive between cells) and
 :mod:`~mgtutor.launcher.magic` (the ``%%ddp`` cell magic); all three are also reachable from
-``mgtutor``, as are :class:`~mgtutor.launcher.run.Run` (what a launch or a pool's call
-returns) and :func:`~mgtutor.launcher.progress.progress` (per-rank progress bars, sent from
-the ranks over :mod:`._channel` and drawn in the notebook). The underscored modules are the
+``mgtutor``, as is :class:`~mgtutor.launcher.run.Run` (what a launch or a pool's call
+returns); :mod:`.progress_bars` draws the per-rank bars that the ranks' ``mgtutor.progress``
+reports. What runs inside a rank is :mod:`mgtutor.rank`. The underscored modules are the
 machinery, in the order a call goes through them:
 
-* :mod:`._processes`: starting rank processes (forkserver, fork or spawn) and the forkserver.
+* :mod:`._arguments`: every argument of a pool and of launch, checked once.
+* :mod:`._processes`: starting rank processes (forkserver or spawn) and the forkserver.
 * :mod:`._send`: a function and its arguments made sendable (by value, with the notebook's names).
 * :mod:`._payload`: the pickled function reused while nothing it carries can have changed.
-* :mod:`._namespace`: which names a rank sees, its own or the notebook's.
-* :mod:`._messages`: the typed messages between the notebook and its ranks.
-* :mod:`._channel`: the ranks' side channel for progress and records.
-* :mod:`._rank`: a rank's loop: receive a call, run it, reply.
-* :mod:`._result`: what a rank says when fn's result cannot be pickled back.
 * :mod:`._handle`: the notebook's view of one rank process.
 * :mod:`._watch`: listening to every rank at once: answers, output, progress, exits.
 * :mod:`._relay`: each rank's output, relayed to the cell line by line.
@@ -25,7 +21,7 @@ machinery, in the order a call goes through them:
 * :mod:`._cleanup`: stopping every process of a launch, whatever happened.
 * :mod:`.lifetime`: the idle timeout that frees idle ranks and the server; ``shutdown()``.
 
-Where it stands: above what a rank records (:mod:`mgtutor.measure`), the hang doctor
-(:mod:`mgtutor.doctor`) and :mod:`mgtutor.worker`; below :mod:`mgtutor.exercises` and the
-package's face, which launch through it.
+Where it stands: above the rank's side (:mod:`mgtutor.rank`), what a rank records
+(:mod:`mgtutor.measure`), the hang doctor (:mod:`mgtutor.doctor`) and :mod:`mgtutor.worker`;
+below :mod:`mgtutor.exercises` and the package's face, which launch through it.
 """

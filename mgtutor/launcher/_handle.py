@@ -9,10 +9,10 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from mgtutor.errors import WorkerError
-from mgtutor.launcher._messages import Done, Failed
 from mgtutor.launcher._relay import RankOutput
 from mgtutor.launcher.run import RankResult, Run
 from mgtutor.measure.timing import PhaseRecord
+from mgtutor.rank.messages import Done, Failed
 
 __all__ = ["RankHandle", "build_run", "with_wall_time"]
 

@@ -18,16 +18,12 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
-from mgtutor.errors import ArgumentError
 from mgtutor.launcher import lifetime
 from mgtutor.launcher._handle import RankHandle
-from mgtutor.launcher._messages import Context
-from mgtutor.launcher._rank import RankSpec, die_with_parent, rank_main
 from mgtutor.launcher._relay import RankOutput
-from mgtutor.worker import BACKENDS
+from mgtutor.rank.loop import RankSpec, die_with_parent, rank_main
+from mgtutor.rank.messages import Context
 
-START_METHODS = ("forkserver", "spawn")
-DEFAULT_START_METHOD = "forkserver"
 # What the forkserver imports once, so that ranks forked from it need not. torch._dynamo is
 # here because DDP's constructor imports it: about 2.4 s per rank on a quiet 2-core machine,
 # paid by every launch that builds a DDP model. It starts no thread and asks no CUDA question
@@ -42,7 +38,7 @@ _FORKSERVER_PRELOAD = (
     "cloudpickle",
     "psutil",
     "mgtutor.worker",
-    "mgtutor.launcher._rank",
+    "mgtutor.rank.loop",
     "mgtutor.doctor",
     "mgtutor.measure.memory",
     "mgtutor.measure.timing",
@@ -58,71 +54,6 @@ _INHERITED_RENDEZVOUS = (
     "ROLE_RANK",
     "ROLE_WORLD_SIZE",
 )
-
-
-def backend_asked_for(backend: Any) -> Any:
-    """backend, else this process's MGTUTOR_BACKEND (each rank's setup() reads it), else None.
-
-    Raises:
-        mgtutor.errors.ArgumentError: MGTUTOR_BACKEND names no backend.
-    """
-    named = os.environ.get("MGTUTOR_BACKEND") or None
-    if backend is not None or named in (None, *BACKENDS):
-        return backend or named
-    raise ArgumentError(
-        f"MGTUTOR_BACKEND={named!r} in this process's environment is not one of {BACKENDS}; "
-        f"set it to one of them, or unset it to let each rank choose"
-    )
-
-
-def check_arguments(
-    world_size: Any,
-    backend: Any,
-    timeout: Any,
-    start_timeout: Any,
-    start_method: Any = None,
-) -> None:
-    """Refuse bad arguments before any process starts, saying what to pass instead."""
-    if isinstance(world_size, bool) or not isinstance(world_size, int):
-        raise ArgumentError(f"world_size must be a whole number, got {world_size!r}")
-    if world_size < 1:
-        raise ArgumentError(
-            f"world_size must be at least 1 (one worker per rank), got {world_size}"
-        )
-    if backend is not None and backend not in BACKENDS:
-        raise ArgumentError(
-            f"backend must be one of {BACKENDS} or None (choose for me), got {backend!r}"
-        )
-    for name, value in (("timeout", timeout), ("start_timeout", start_timeout)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
-        ):
-            raise ArgumentError(
-                f"{name} must be a positive number of seconds or None (no limit), got {value!r}"
-            )
-    if start_method is not None and start_method not in START_METHODS:
-        raise ArgumentError(
-            f"start_method must be one of {START_METHODS} (or None for "
-            f"{DEFAULT_START_METHOD!r}), got {start_method!r}. 'fork' is not offered: a forked "
-            f"rank inherits the notebook's CUDA state and fails once CUDA was used there."
-        )
-    if backend == "nccl":
-        import torch
-        import torch.distributed as dist
-
-        # device_count() asks NVML and leaves CUDA uninitialized in the notebook's process
-        # (is_available() would initialize it, which breaks fork-based tools used later).
-        gpus = torch.cuda.device_count()
-        if gpus < world_size or not dist.is_nccl_available():
-            why = (
-                "this torch has no NCCL"
-                if not dist.is_nccl_available()
-                else f"CUDA sees {gpus} GPU(s)"
-            )
-            raise ArgumentError(
-                f"backend='nccl' needs one GPU per rank: world_size={world_size}, but {why}. "
-                f"Use backend='gloo' (or None to choose automatically), or world_size<={gpus}."
-            )
 
 
 _classic_store_needed = False

@@ -17,7 +17,8 @@ from typing import Any
 
 from mgtutor.errors import WorkerError
 from mgtutor.launcher._handle import RankHandle
-from mgtutor.launcher._messages import Failed
+from mgtutor.rank.messages import Failed
+from mgtutor.rank.namespace import kept_note
 
 __all__ = ["Wording", "describe", "diagnose", "format_stack", "ranks_named", "with_note"]
 
@@ -278,3 +279,21 @@ def format_stack(dump: bytes, main_ident: int | None) -> str:
         hidden = len(frames) - _MAX_FRAMES
         frames = [*frames[: _MAX_FRAMES - 6], f"  ... {hidden} frames omitted ...", *frames[-6:]]
     return "\n".join(frames)
+
+
+def say_kept_names(handles: list[Any], push: str) -> None:
+    """Name the notebook values a call did not use because ranks have their own.
+
+    Args:
+        handles: the ranks the call ran on (:class:`~mgtutor.launcher._handle.RankHandle`).
+        push: how to send the notebook's values (:attr:`~mgtutor.launcher._report.Wording.push`).
+    """
+    by_name: dict[str, list[int]] = {}
+    for h in handles:
+        for name in h.done.record.get("kept", ()) if h.done is not None else ():
+            by_name.setdefault(name, []).append(h.rank)
+    for ranks in sorted({tuple(r) for r in by_name.values()}):
+        names = [n for n, r in by_name.items() if tuple(r) == ranks]
+        note = kept_note(names, f"rank(s) {', '.join(map(str, ranks))}")
+        advice = push.format(pairs=", ".join(f"{n}={n}" for n in names), names=" ".join(names))
+        print(f"mgtutor: {note}. To send the notebook's: {advice}.", flush=True)

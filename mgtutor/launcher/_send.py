@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import functools
 import linecache
-import marshal
 import os
-import pickle
 import sys
 import types
-from collections import ChainMap
 from collections.abc import Callable, Collection
 from typing import Any
 
 from mgtutor.errors import PicklingError
-from mgtutor.launcher._messages import Context
+from mgtutor.rank.messages import Context
+from mgtutor.rank.pickling import dumps, fails, type_name
 
-#: Values that hold no other object: compared by value, pickled as they are, never changed in
-#: place (the namespace rule, the payload's key and a rank's result use them alike).
-PLAIN_TYPES = (type(None), bool, int, float, complex, str, bytes)
 _MAX_SOURCE_BYTES = 2_000_000
 # Variables that act only when a process group is made: changed after the pool's ranks made
 # theirs, they do nothing until new ranks make a new one.
@@ -67,62 +62,6 @@ def pickle_payload(fn: Callable[..., Any], args: tuple, kwargs: dict) -> bytes:
         ) from exc
 
 
-def dumps(value: Any) -> bytes:
-    """``cloudpickle.dumps(value)``, except that code keeps the name of its file.
-
-    cloudpickle 3.1.3 writes every code object's file as ``"<dynamic-code>"`` (to make its
-    bytes the same wherever a function was defined); a rank's traceback then names no file and
-    shows no line of the cell or test that raised. Here a code object travels as ``marshal``
-    writes it, file name included: the ranks run this same interpreter, so they read it back.
-    """
-    import io
-
-    buffer = io.BytesIO()
-    _pickler()(buffer).dump(value)
-    return buffer.getvalue()
-
-
-def _code_reduce(code: types.CodeType) -> tuple:
-    try:
-        return marshal.loads, (marshal.dumps(code),)
-    except ValueError:  # a constant marshal cannot write (only code built by hand has one)
-        return _cloudpickle_code_reduce(code)
-
-
-def _cloudpickle_code_reduce(code: types.CodeType) -> tuple:
-    import cloudpickle
-
-    return cloudpickle.Pickler.dispatch_table[types.CodeType](code)
-
-
-@functools.cache
-def _pickler() -> Any:
-    """cloudpickle's pickler with :func:`_code_reduce` for code (made once: 20 us a class)."""
-    import cloudpickle
-
-    class _Pickler(cloudpickle.Pickler):
-        dispatch_table = ChainMap(
-            {types.CodeType: _code_reduce}, cloudpickle.Pickler.dispatch_table
-        )
-
-    return _Pickler
-
-
-def _type_name(value: Any) -> str:
-    kind = type(value)
-    if kind.__module__ == "builtins":
-        return kind.__qualname__
-    return f"{kind.__module__}.{kind.__qualname__}"
-
-
-def _fails(value: Any) -> bool:
-    try:
-        dumps(value)
-        return False
-    except Exception:
-        return True
-
-
 def _unsendable(fn: Any, args: tuple, kwargs: dict) -> str | None:
     """Name what cannot be pickled: an argument, or a variable fn (or a function it calls) uses."""
     import inspect
@@ -132,26 +71,24 @@ def _unsendable(fn: Any, args: tuple, kwargs: dict) -> str | None:
     except (TypeError, ValueError):
         names = []
     for i, value in enumerate(args):
-        if _fails(value):
+        if fails(value):
             name = f"`{names[i]}` " if i < len(names) else ""
-            return f"argument {i} {name}(a {_type_name(value)})"
+            return f"argument {i} {name}(a {type_name(value)})"
     for key, value in kwargs.items():
-        if _fails(value):
-            return f"keyword argument `{key}` (a {_type_name(value)})"
+        if fails(value):
+            return f"keyword argument `{key}` (a {type_name(value)})"
     return _in_function(fn, set())
 
 
 def _in_function(fn: Any, seen: set[int]) -> str | None:
     """The closure variable, global or default of fn that cannot be pickled, named."""
-    import functools
-    import types
 
     if isinstance(fn, functools.partial):
         return _unsendable(fn.func, fn.args, fn.keywords)
     if isinstance(fn, types.MethodType):
-        if _fails(fn.__self__):
+        if fails(fn.__self__):
             owner = f"the object method {fn.__func__.__qualname__} is bound to"
-            return f"`self` ({owner}, a {_type_name(fn.__self__)})"
+            return f"`self` ({owner}, a {type_name(fn.__self__)})"
         fn = fn.__func__
     if not isinstance(fn, types.FunctionType) or id(fn) in seen:
         return None
@@ -169,12 +106,12 @@ def _in_function(fn: Any, seen: set[int]) -> str | None:
     defaults = _defaults(fn)
     used += [(name, "default", value) for name, value in defaults.items()]
     for name, kind, value in used:
-        if not _fails(value):
+        if not fails(value):
             continue
         deeper = _in_function(value, seen)
         if deeper is not None:
             return deeper
-        return f"`{name}` (a {kind} of {fn.__qualname__}, a {_type_name(value)})"
+        return f"`{name}` (a {kind} of {fn.__qualname__}, a {type_name(value)})"
     return None
 
 
@@ -234,32 +171,3 @@ def changes(before: dict[str, str], after: dict[str, str]) -> str:
 
     names = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     return ", ".join(f"{k} ({shown(before, k)} -> {shown(after, k)})" for k in names)
-
-
-def dumps_on_cpu(result: Any) -> bytes:
-    """Pickle fn's result with every tensor moved to the CPU.
-
-    A CUDA tensor pickled as it is would be rebuilt on ``cuda:r`` in the notebook, which
-    initializes CUDA in the kernel (or fails on a machine without that GPU).
-    """
-    if type(result) in PLAIN_TYPES:
-        return pickle.dumps(result, protocol=pickle.DEFAULT_PROTOCOL)  # 1 us, not 8
-    import io
-
-    buffer = io.BytesIO()
-    _cpu_pickler()(buffer, protocol=pickle.DEFAULT_PROTOCOL).dump(result)
-    return buffer.getvalue()
-
-
-@functools.cache
-def _cpu_pickler() -> Any:
-    """The pickler class of :func:`dumps_on_cpu`, made once (a class per call cost 20 us)."""
-
-    class _CpuPickler(_pickler()):
-        def reducer_override(self, obj: Any) -> Any:
-            torch = sys.modules.get("torch")
-            if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-                return obj.detach().cpu().__reduce_ex__(self.proto)
-            return super().reducer_override(obj)
-
-    return _CpuPickler

@@ -24,7 +24,7 @@ from mgtutor.launcher import _cleanup, _interrupted, _report
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._report import Wording, ranks_named
 from mgtutor.launcher._watch import _POLL_S, RankWatch, _ended
-from mgtutor.launcher.progress import ProgressBoard
+from mgtutor.launcher.progress_bars import ProgressBoard
 
 _DRAIN_GRACE_S = 1.0
 _STACK_WAIT_S = 2.0

@@ -16,8 +16,8 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from mgtutor.launcher._handle import RankHandle
-from mgtutor.launcher._messages import Done, Failed, Hello, Progress, Ready
-from mgtutor.launcher.progress import ProgressBoard
+from mgtutor.launcher.progress_bars import ProgressBoard
+from mgtutor.rank.messages import Done, Failed, Hello, Progress, Ready
 
 __all__ = ["RankWatch"]
 

@@ -13,10 +13,12 @@
    shows their progress; it stops all of them as soon as one fails, hangs past ``timeout`` or
    the cell is interrupted, and leaves no process behind.
 
-A launch is a :class:`mgtutor.Pool` that runs one call and closes: the same code starts the
-ranks (:mod:`._processes`), sends fn (:mod:`._send`), runs it in each rank (:mod:`._rank`),
-relays output (:mod:`._relay`), watches for faults (:mod:`._supervise`) and cleans up
-(:mod:`._cleanup`).
+A launch is a :class:`mgtutor.Pool` that runs one call and closes
+(``with OneCall(...) as pool: pool.run(fn, ...)``): the same code checks the arguments
+(:mod:`._arguments`), starts the ranks (:mod:`._processes`), sends fn (:mod:`._send`), runs it
+in each rank (:mod:`mgtutor.rank.loop`), relays output (:mod:`._relay`), watches for faults
+(:mod:`._supervise`) and cleans up (:mod:`._cleanup`). :class:`OneCall` changes only when the
+ranks start and that they do not outlive the call.
 """
 
 from __future__ import annotations
@@ -25,14 +27,38 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mgtutor.errors import ArgumentError
-from mgtutor.launcher import _payload, _processes
+from mgtutor.launcher._arguments import DEFAULT_START_METHOD, START_METHODS
 from mgtutor.launcher._handle import with_wall_time
-from mgtutor.launcher._processes import DEFAULT_START_METHOD, START_METHODS
+from mgtutor.launcher._report import Wording
+from mgtutor.launcher._supervise import Supervisor
 from mgtutor.launcher.pool import Pool
 from mgtutor.launcher.run import Run
 
 __all__ = ["launch", "START_METHODS", "DEFAULT_START_METHOD"]
+
+
+class OneCall(Pool):
+    """A pool for one call, as :func:`launch` makes it.
+
+    Nothing starts until the call has been checked and pickled; then the ranks start with the
+    call already sent (nothing waits for them to be ready first), answer it and exit, a
+    failing rank at once, as torchrun's workers do; the first fault stops them all; no idle
+    timer watches them; their timings count from their start.
+    """
+
+    keeps_ranks = False
+    _caller = "launch"
+    _default_wording = Wording()
+
+    def _open(self, idle_timeout: float | None | str) -> None:
+        pass  # the ranks start with the call (_prepare_call)
+
+    def _ready(self, supervisor: Supervisor) -> None:
+        pass  # each rank reads the call once it has started: the two overlap
+
+    def _prepare_call(self) -> float:
+        self._start()
+        return self.started_at
 
 
 def launch(
@@ -78,7 +104,7 @@ def launch(
         quiet: show no progress bars (for launches made in a loop); what the ranks print and
             any error still come.
         **kwargs: keyword arguments for fn. (Names world_size, backend, timeout,
-            start_timeout, start_method and quiet are taken by launch itself; pass such
+            start_timeout, start_method, quiet and ranks are taken by launch itself; pass such
             arguments with functools.partial.)
 
     Returns:
@@ -103,27 +129,13 @@ def launch(
         >>> mgtutor.launch(work, 10, world_size=2).results
         [30.0, 30.0]
     """
-    if not callable(fn):
-        raise ArgumentError(f"launch needs a function to run in every worker, got {fn!r}")
-    if _processes.in_worker_bootstrap():
-        raise RuntimeError(
-            "mgtutor.launch() was called while a worker process was starting up. Put the code "
-            'that launches under `if __name__ == "__main__":` in your script.'
-        )
-    backend = _processes.backend_asked_for(backend)
-    _processes.check_arguments(world_size, backend, timeout, start_timeout, start_method)
-    payload, _ = _payload.shared.dumps(fn, args, kwargs)  # fails before any process starts
     started = time.perf_counter()
-    pool = Pool(
+    with OneCall(
         world_size,
         backend,
         start_timeout=start_timeout,
         start_method=start_method,
         join_group=False,
-        _one_call=True,
-    )
-    try:
-        run = pool._call(payload, list(range(world_size)), timeout, quiet)
-    finally:
-        pool.close()
+    ) as pool:
+        run = pool.run(fn, *args, timeout=timeout, quiet=quiet, ranks=None, **kwargs)
     return with_wall_time(run, time.perf_counter() - started)

@@ -107,11 +107,11 @@ def _run_source(source: str, filename: str, values: bytes) -> str | None:
 
     ``values`` are the notebook's values of the names the cell reads, pickled once in the
     notebook (:func:`_notebook_values`); the rank's own names win over them (the pool's
-    namespace rule, :mod:`mgtutor.launcher._namespace`).
+    namespace rule, :mod:`mgtutor.rank.namespace`).
     """
     import pickle
 
-    from mgtutor.launcher._namespace import namespace, take_cell_values
+    from mgtutor.rank.namespace import namespace, take_cell_values
 
     take_cell_values(pickle.loads(values))
     space = namespace()
@@ -212,9 +212,9 @@ def _start_parser() -> _Parser:
 
 def _rank_tabs(world_size: int, ranks: list[int]) -> tuple[Any, dict[int, Any]] | None:
     """A Tab with one Output per rank, or None where ipywidgets cannot be shown."""
-    from mgtutor.launcher.progress import _in_notebook
+    from mgtutor.launcher.progress_bars import in_notebook
 
-    if not _in_notebook():
+    if not in_notebook():
         return None
     try:
         import ipywidgets as widgets
@@ -251,7 +251,7 @@ def ddp(line: str, cell: str) -> Any:
     linecache.cache[filename] = (len(cell), None, lines, filename)
     tabs = _rank_tabs(pool.world_size, ranks) if options.tabs else None
     if tabs is not None:
-        from mgtutor.launcher.progress import display_widget
+        from mgtutor.launcher.progress_bars import display_widget
 
         tab, outputs = tabs
         display_widget(tab, _tabs_text(ranks))

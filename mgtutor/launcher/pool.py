@@ -16,9 +16,11 @@ memory. What a call leaves in a rank's global namespace is there for the next ca
     pool.run(lambda: model.module.weight.sum().item()).results   # the same on both ranks
     pool.close()
 
-:func:`mgtutor.launch` is a pool that runs one call and closes, so the two relay output,
-report faults and clean up in the same way. In a notebook, ``%load_ext mgtutor`` adds the
-``%%ddp`` cell magic on top of a pool (:mod:`mgtutor.launcher.magic`).
+:func:`mgtutor.launch` is a pool that runs one call and closes (its class, in
+:mod:`.launch`, changes only when the ranks start and whether they outlive the call), so the
+two check their arguments, relay output, report faults and clean up in the same way. In a
+notebook, ``%load_ext mgtutor`` adds the ``%%ddp`` cell magic on top of a pool
+(:mod:`mgtutor.launcher.magic`).
 """
 
 from __future__ import annotations
@@ -34,13 +36,22 @@ from typing import Any
 
 from mgtutor.doctor import DUMP_PATH_ENV
 from mgtutor.errors import ArgumentError
-from mgtutor.launcher import _cleanup, _handle, _namespace, _payload, _processes, _send, lifetime
-from mgtutor.launcher._handle import RankHandle
-from mgtutor.launcher._messages import Call, Exit
+from mgtutor.launcher import (
+    _arguments,
+    _cleanup,
+    _handle,
+    _payload,
+    _processes,
+    _report,
+    _send,
+    lifetime,
+)
 from mgtutor.launcher._report import Wording
 from mgtutor.launcher._supervise import Supervisor
-from mgtutor.launcher.progress import ProgressBoard
+from mgtutor.launcher.progress_bars import ProgressBoard
 from mgtutor.launcher.run import Run
+from mgtutor.rank import namespace
+from mgtutor.rank.messages import Call, Exit
 
 __all__ = ["Pool"]
 
@@ -101,6 +112,13 @@ class Pool:
         [3, 6]
     """
 
+    #: The ranks outlive each call, keeping their namespace (False: each answers one call and
+    #: exits, and the first fault stops them all, as a launch's do).
+    keeps_ranks = True
+    #: Who asks, in the error for an argument that is not a function.
+    _caller = "Pool.run"
+    _default_wording = Wording(owner="this pool", note=_POOL_NOTE)
+
     def __init__(
         self,
         world_size: int = 2,
@@ -110,7 +128,6 @@ class Pool:
         start_method: str | None = None,
         join_group: bool = True,
         idle_timeout: float | None | str = lifetime.FROM_ENVIRONMENT,
-        _one_call: bool = False,
         _wording: Wording | None = None,
     ) -> None:
         if _processes.in_worker_bootstrap():
@@ -118,17 +135,14 @@ class Pool:
                 "mgtutor started ranks while a rank process was starting up. Put the code that "
                 'launches under `if __name__ == "__main__":` in your script.'
             )
-        backend = _processes.backend_asked_for(backend)
-        _processes.check_arguments(world_size, backend, None, start_timeout, start_method)
+        backend = _arguments.backend_asked_for(backend)
+        _arguments.check_arguments(world_size, backend, start_timeout, start_method)
         self.world_size = world_size
         self.backend = backend
         self.start_timeout = start_timeout
-        self.start_method = start_method or _processes.DEFAULT_START_METHOD
+        self.start_method = start_method or _arguments.DEFAULT_START_METHOD
         self.join_group = join_group
-        self._one_call = _one_call
-        self._wording = _wording or (
-            Wording() if _one_call else Wording(owner="this pool", note=_POOL_NOTE)
-        )
+        self._wording = _wording or self._default_wording
         self._calls = 0
         self._supervisor: Supervisor | None = None
         self._store: Any = None
@@ -137,12 +151,24 @@ class Pool:
         # Where each relayed line goes instead of the cell during a call
         # (``sink(rank, stream, text)``): %%ddp's per-rank tabs.
         self._sink: Callable[[int, str, str], None] | None = None
-        if not _one_call:
-            lifetime.watch(self, idle_timeout)
-        self._start()
-        _open_pools.add(self)
+        self._open(idle_timeout)
 
     # --- starting and stopping --------------------------------------------------------------
+
+    def _open(self, idle_timeout: float | None | str) -> None:
+        """Start the ranks now, and stop them after ``idle_timeout`` without a call."""
+        lifetime.watch(self, idle_timeout)
+        self._start()
+
+    def _ready(self, supervisor: Supervisor) -> None:
+        """Wait for every rank to start (and join the group), so a failure shows here."""
+        supervisor.wait_ready(self.start_timeout)
+
+    def _prepare_call(self) -> float:
+        """Ranks ready for the next call (new ones after a fault); when the call's clock starts."""
+        if not self.alive:
+            self._restart_after_fault()
+        return time.perf_counter()
 
     @lifetime.keeps_busy
     def _start(self) -> None:
@@ -172,12 +198,12 @@ class Pool:
                         {**common, DUMP_PATH_ENV: supervisor.dump_paths[rank]},
                         context,
                         join_group=self.join_group,
-                        one_call=self._one_call,
+                        one_call=not self.keeps_ranks,
                         backend=self.backend,
                     )
                     supervisor.add(handle)
-            if not self._one_call:
-                supervisor.wait_ready(self.start_timeout)
+            _open_pools.add(self)
+            self._ready(supervisor)
         except BaseException:
             self._shutdown()
             raise
@@ -270,9 +296,9 @@ class Pool:
                 interrupted. It opens with where the ranks were, as a timeout does.
         """
         if not callable(fn):
-            raise ArgumentError(f"Pool.run needs a function to run on every rank, got {fn!r}")
-        _processes.check_arguments(self.world_size, self.backend, timeout, self.start_timeout)
-        targets = self._targets(ranks)
+            raise ArgumentError(f"{self._caller} needs a function to run on every rank, got {fn!r}")
+        _arguments.check_seconds("timeout", timeout)
+        targets = _arguments.check_ranks(ranks, self.world_size)
         payload, reusable = _payload.shared.dumps(fn, args, kwargs)
         return self._call(payload, targets, timeout, quiet, reusable)
 
@@ -288,8 +314,7 @@ class Pool:
         """Send one pickled call to ``targets``, wait for their answers, build the Run."""
         if self.closed:
             raise RuntimeError("this pool is closed; make a new one, or call pool.restart()")
-        if not self._one_call and not self.alive:
-            self._restart_after_fault()
+        started = self._prepare_call()
         supervisor = self._supervisor
         assert supervisor is not None
         handles = [supervisor.handles[r] for r in targets]
@@ -306,13 +331,12 @@ class Pool:
             payload,
             sources,
             context,
-            not self._one_call,
-            reusable and not self._one_call,
+            self.keeps_ranks,
+            reusable and self.keeps_ranks,
         )
         # Once for every rank. Plain pickle (what Connection.recv reads too): a Call holds no
         # file descriptor or shared memory, which is all ForkingPickler adds, at twice the cost.
         pickled = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
-        started = self.started_at if self._one_call else time.perf_counter()
         for h in handles:
             h.begin(call.call)
             h.output.sink = self._sink
@@ -320,15 +344,15 @@ class Pool:
                 h.failed_at = time.perf_counter()  # its pipe closed: the process has gone
         board = ProgressBoard(self.world_size, quiet)
         supervisor.run_call(
-            call.call, handles, board, timeout, self.start_timeout, keep=not self._one_call
+            call.call, handles, board, timeout, self.start_timeout, keep=self.keeps_ranks
         )
-        self._say_kept_names(handles)
+        _report.say_kept_names(handles, self._wording.push)
         return _handle.build_run(handles, self.world_size, started, time.perf_counter())
 
     def _say_group_variables_changed(self, environ: dict[str, str]) -> None:
         """Say once, at the call after the change, that a group variable does nothing yet."""
         now = _send.group_variables(environ)
-        if not self.join_group or self._one_call or now == self._group_environ_said:
+        if not self.join_group or now == self._group_environ_said:
             return
         self._group_environ_said = now
         if now == self._group_environ:
@@ -340,31 +364,6 @@ class Pool:
             f"{self._wording.restart} starts new ranks that do (what the ranks hold is lost).",
             flush=True,
         )
-
-    def _say_kept_names(self, handles: list[RankHandle]) -> None:
-        """Name the notebook values a call did not use because ranks have their own."""
-        by_name: dict[str, list[int]] = {}
-        for h in handles:
-            for name in h.done.record.get("kept", ()) if h.done is not None else ():
-                by_name.setdefault(name, []).append(h.rank)
-        for ranks in sorted({tuple(r) for r in by_name.values()}):
-            names = [n for n, r in by_name.items() if tuple(r) == ranks]
-            note = _namespace.kept_note(names, f"rank(s) {', '.join(map(str, ranks))}")
-            advice = self._wording.push.format(
-                pairs=", ".join(f"{n}={n}" for n in names), names=" ".join(names)
-            )
-            print(f"mgtutor: {note}. To send the notebook's: {advice}.", flush=True)
-
-    def _targets(self, ranks: Sequence[int] | None) -> list[int]:
-        if ranks is None:
-            return list(range(self.world_size))
-        chosen = sorted({ranks} if isinstance(ranks, int) else set(ranks))
-        wrong = [r for r in chosen if not isinstance(r, int) or not 0 <= r < self.world_size]
-        if wrong or not chosen:
-            raise ArgumentError(
-                f"ranks must name ranks of this pool (0..{self.world_size - 1}), got {ranks!r}"
-            )
-        return chosen
 
     def _restart_after_fault(self) -> None:
         print(
@@ -388,7 +387,7 @@ class Pool:
         """
         if not values:
             raise ArgumentError("push needs name=value pairs, e.g. pool.push(lr=0.1)")
-        self.run(_namespace.set_names, values, ranks=ranks)
+        self.run(namespace.set_names, values, ranks=ranks)
 
     def pull(self, name: str, ranks: Sequence[int] | None = None) -> list[Any]:
         """Each rank's value of ``name`` (from its namespace), in rank order.
@@ -396,4 +395,4 @@ class Pool:
         Raises:
             WorkerError: a rank has no such name (the pool is kept).
         """
-        return self.run(_namespace.get_name, name, ranks=ranks).results
+        return self.run(namespace.get_name, name, ranks=ranks).results

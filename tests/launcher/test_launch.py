@@ -36,6 +36,24 @@ def test_results_come_back_in_rank_order() -> None:
     assert len({r.pid for r in run.ranks}) == 3
 
 
+def test_launch_is_a_pools_one_call_whose_arguments_are_checked_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from mgtutor.launcher import _arguments
+
+    checked = []
+    real = _arguments.check_arguments
+
+    def counting(*given: object) -> None:
+        checked.append(given)
+        real(*given)
+
+    monkeypatch.setattr(_arguments, "check_arguments", counting)
+    monkeypatch.delenv("MGTUTOR_BACKEND", raising=False)
+    assert mgtutor.launch(lambda: 7, world_size=1, start_timeout=60).results == [7]
+    assert checked == [(1, None, 60, None)]
+
+
 def test_cell_defined_function_closure_and_kwargs() -> None:
     work = cell_function(
         """
@@ -379,7 +397,7 @@ def test_script_without_main_guard_runs_its_top_level_once(tmp_path: Path) -> No
 
 @pytest.mark.any_start_method
 def test_progress_board_draws_one_widget_bar_per_rank() -> None:
-    from mgtutor.launcher.progress import ProgressBoard
+    from mgtutor.launcher.progress_bars import ProgressBoard
 
     board = ProgressBoard(2)
     board._widgets_usable = True  # as in JupyterLab; outside a kernel display() prints a repr

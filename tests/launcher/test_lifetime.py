@@ -144,7 +144,7 @@ def test_a_bad_environment_value_is_refused_with_what_to_set(monkeypatch) -> Non
 _KERNEL = """
 import os, sys, time
 import mgtutor
-from mgtutor.launcher._rank import die_with_parent
+from mgtutor.rank.loop import die_with_parent
 
 if __name__ == "__main__":
     pool = mgtutor.Pool(world_size=2, start_method=sys.argv[1])

@@ -1,7 +1,7 @@
 """A call's pickled function is reused only while every byte cloudpickle would write is the same.
 
 For each kind of value a function can carry, the reused payload is compared byte for byte with
-what would be sent now (``_send.dumps``: cloudpickle, with each code's file name); each change
+what would be sent now (``pickling.dumps``: cloudpickle, with each code's file name); each change
 a notebook can make (a global rebound, a helper redefined, a default, a closure, the code
 itself, a newly imported module) must give a new key; values a cell can change in place must
 give none. At the end, ranks see the change.
@@ -19,8 +19,9 @@ import cloudpickle
 import pytest
 
 import mgtutor
-from mgtutor.launcher import _payload, _send
+from mgtutor.launcher import _payload
 from mgtutor.launcher._payload import PayloadCache, payload_key
+from mgtutor.rank import pickling
 
 STEP = 3
 SCALE = -0.0
@@ -108,7 +109,7 @@ def test_a_reused_payload_is_what_would_be_sent_now(fn, args, kwargs, by_value) 
     again, _ = cache.dumps(fn, args, kwargs)
     assert reusable and payload_key(fn, args, kwargs) is not None
     assert again is first
-    assert again == _send.dumps((fn, args, kwargs))
+    assert again == pickling.dumps((fn, args, kwargs))
 
 
 def _key_of(fn, *args, **kwargs):
@@ -232,42 +233,8 @@ def test_ranks_reuse_an_unchanged_payload_and_see_every_change(monkeypatch) -> N
         # Each payload once per rank (STEP 3, then 10), then the counter's own call.
         assert pool.run(_how_many_unpickled).results == [3, 3]
         monkeypatch.setattr(
-            _payload.shared, "dumps", lambda fn, a, k: (_send.dumps((fn, a, k)), False)
+            _payload.shared, "dumps", lambda fn, a, k: (pickling.dumps((fn, a, k)), False)
         )
         pool.run(step)
         pool.run(step)
         assert pool.run(_how_many_unpickled).results == [6, 6]  # not reusable: every time
-
-
-def test_code_keeps_its_file_name_on_the_way_to_the_ranks() -> None:
-    # cloudpickle 3.1.3 writes every file name as "<dynamic-code>"; a rank's traceback would
-    # then show no line of the cell that raised. _send.dumps keeps it, nested code included.
-    import pickle
-
-    source = (
-        "class Model:\n"
-        "    def forward(self):\n"
-        "        return [x for x in range(2)]\n"
-        "def work():\n"
-        "    def inner():\n"
-        "        return Model().forward()\n"
-        "    return inner\n"
-    )
-    namespace = {"__name__": "__main__"}
-    exec(compile(source, "/tmp/ipykernel_0/cell_7.py", "exec"), namespace)
-    work, model = pickle.loads(_send.dumps((namespace["work"], namespace["Model"])))
-    inner = work()
-    assert work.__code__.co_filename == "/tmp/ipykernel_0/cell_7.py"
-    assert inner.__code__.co_filename == "/tmp/ipykernel_0/cell_7.py"
-    assert model.forward.__code__.co_filename == "/tmp/ipykernel_0/cell_7.py"
-    assert inner() == [0, 1]
-
-
-def test_code_marshal_cannot_write_still_travels() -> None:
-    # Only code built by hand holds such a constant; it goes as cloudpickle writes it.
-    import pickle
-
-    code = _plain.__code__.replace(co_consts=(_DefinedHere,))
-    fn = types.FunctionType(code, {}, "_plain")
-    fn.__module__ = "__main__"
-    assert pickle.loads(_send.dumps(fn))() is _DefinedHere  # return None became this constant

@@ -355,14 +355,14 @@ def test_a_process_whose_parent_died_before_it_asked_to_die_with_it_ends_at_once
         pytest.skip("PR_SET_PDEATHSIG is Linux's")
     probe = (
         "import os\n"
-        "from mgtutor.launcher._rank import die_with_parent\n"
+        "from mgtutor.rank.loop import die_with_parent\n"
         "die_with_parent(os.getppid() + 1)\n"
         "print('still running', flush=True)\n"
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "still running" not in done.stdout, done
     tied = (
-        "import os\nfrom mgtutor.launcher._rank import die_with_parent\n"
+        "import os\nfrom mgtutor.rank.loop import die_with_parent\n"
         "print(die_with_parent(os.getppid()))"
     )
     done = subprocess.run([sys.executable, "-c", tied], capture_output=True, text=True, timeout=60)

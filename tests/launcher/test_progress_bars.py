@@ -15,7 +15,7 @@ import mgtutor
 import mgtutor.launcher.magic
 
 # The module, not the function mgtutor.progress that the package exports under its name.
-progress_module = importlib.import_module("mgtutor.launcher.progress")
+progress_module = importlib.import_module("mgtutor.launcher.progress_bars")
 
 ipywidgets = pytest.importorskip("ipywidgets")
 
@@ -31,7 +31,7 @@ def shown(monkeypatch) -> list[dict]:
         assert raw, "a widget must be displayed with its own text form"
         bundles.append(bundle)
 
-    monkeypatch.setattr(progress_module, "_in_notebook", lambda: True)
+    monkeypatch.setattr(progress_module, "in_notebook", lambda: True)
     monkeypatch.setattr("IPython.display.display", display)
     return bundles
 

@@ -14,7 +14,7 @@ import sys
 import types
 from typing import Any
 
-from mgtutor.launcher._send import PLAIN_TYPES
+from mgtutor.rank.pickling import PLAIN_TYPES
 
 
 class _RankNamespace(dict):

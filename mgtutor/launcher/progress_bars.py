@@ -1,65 +1,20 @@
-"""Per-rank progress bars: a worker reports, the notebook shows one bar per rank.
+"""Per-rank progress bars in the notebook, as the ranks report with :func:`mgtutor.progress`.
 
-Inside a worker call ``mgtutor.progress(step, total)``. In JupyterLab the launching cell shows an
-ipywidgets bar per rank that advances while the ranks run, and a line with each rank's last
-count when they finish (a stored notebook, opened before it runs or on a code host, shows the
-bars as a line of text and then that count); elsewhere (a terminal, a script, a notebook without
-ipywidgets) the parent prints a plain line at every tenth of the way. ``launch(..., quiet=True)``
-and ``pool.run(..., quiet=True)`` show no progress at all.
+In JupyterLab the launching cell shows an ipywidgets bar per rank that advances while the ranks
+run, and a line with each rank's last count when they finish (a stored notebook, opened before
+it runs or on a code host, shows the bars as a line of text and then that count); elsewhere (a
+terminal, a script, a notebook without ipywidgets) the parent prints a plain line at every tenth
+of the way. ``launch(..., quiet=True)`` and ``pool.run(..., quiet=True)`` show no progress at
+all. The rank's side, :func:`mgtutor.rank.progress.progress`, sends the counts.
 """
 
 from __future__ import annotations
 
-import sys
-import time
 from typing import Any
 
-from mgtutor.launcher import _channel
-from mgtutor.launcher._messages import Progress
+from mgtutor.rank.progress import print_text
 
-__all__ = ["progress"]
-
-_MIN_INTERVAL_S = 0.1
-_last_sent: dict[str, float] = {}
-
-
-def progress(step: int, total: int, desc: str = "") -> None:
-    """Report that this rank has done ``step`` of ``total`` units of work.
-
-    Cheap enough to call every step: updates are sent at most ten times a second, and the
-    first and last always go through.
-
-    Args:
-        step: units done so far (1..total).
-        total: units in all.
-        desc: a short label shown beside the bar ("epoch 2").
-
-    Example:
-        >>> for i in range(100):
-        ...     train_step()
-        ...     mgtutor.progress(i + 1, 100, desc="training")
-    """
-    if total <= 0:
-        raise ValueError(f"progress total must be positive, got {total}")
-    now = time.monotonic()
-    last = _last_sent.get(desc)
-    if step < total and last is not None and now - last < _MIN_INTERVAL_S:
-        return
-    _last_sent[desc] = now
-    if _channel.send(Progress(int(step), int(total), desc)):
-        return
-    _print_text(None, step, total, desc, None)
-
-
-def _print_text(rank: int | None, step: int, total: int, desc: str, last: int | None) -> int:
-    """Print a text line when the tenth of the way changes; return the tenth printed."""
-    tenth = min(10, int(10 * step / total))
-    if tenth == last:
-        return tenth
-    prefix = f"[rank {rank}] " if rank is not None else ""
-    label = f"{desc}: " if desc else ""
-    print(f"{prefix}{label}{step}/{total} ({100 * step / total:.0f}%)", file=sys.stdout)
-    return tenth
+__all__ = ["ProgressBoard", "display_widget"]
 
 
 def display_widget(widget: Any, text: str) -> None:
@@ -96,7 +51,7 @@ def _first_image(widget: Any) -> str | None:
     return None
 
 
-def _in_notebook() -> bool:
+def in_notebook() -> bool:
     try:
         from IPython import get_ipython
     except ImportError:
@@ -119,7 +74,7 @@ class ProgressBoard:
     @property
     def _use_widgets(self) -> bool:
         if self._widgets_usable is None:
-            self._widgets_usable = _in_notebook()
+            self._widgets_usable = in_notebook()
             if self._widgets_usable:
                 try:
                     import ipywidgets  # noqa: F401
@@ -158,9 +113,7 @@ class ProgressBoard:
             return
         if not self._use_widgets:
             key = (rank, desc)
-            self._text_tenths[key] = _print_text(
-                rank, step, total, desc, self._text_tenths.get(key)
-            )
+            self._text_tenths[key] = print_text(rank, step, total, desc, self._text_tenths.get(key))
             return
         if self._bars is None:
             self._make_widgets()

@@ -1,6 +1,6 @@
 """What a rank says when fn's result cannot travel back to the notebook.
 
-A rank pickles what fn returned (:func:`._send.dumps_on_cpu`) and sends it over a pipe. A
+A rank pickles what fn returned (:func:`.pickling.dumps_on_cpu`) and sends it over a pipe. A
 generator, a lock, an open file or a socket cannot be pickled, and the error pickle raises names
 only a type, from deep inside cloudpickle. :func:`why_unsendable` says instead which value it is
 (``result["it"]``, a generator), where fn returned it (its ``return`` line, the cell line for a
@@ -17,7 +17,7 @@ import textwrap
 from typing import Any
 
 from mgtutor.errors import in_mgtutor
-from mgtutor.launcher._send import _fails, _type_name
+from mgtutor.rank.pickling import fails, type_name
 
 __all__ = ["why_unsendable"]
 
@@ -42,7 +42,7 @@ def why_unsendable(fn: Any, result: Any, exc: BaseException) -> tuple[str, str]:
         stands in for the rank's traceback: fn's ``return`` line(s), or "" where none is found.
     """
     path, value = _culprit(result, "result", 0)
-    kind = _type_name(value)
+    kind = type_name(value)
     what = f"fn returned a {kind}" if path == "result" else f"{path} is a {kind}"
     message = f"{what}, which cannot be pickled ({exc}). {_ADVICE}"
     return message, _return_lines(fn)
@@ -62,7 +62,7 @@ def _culprit(value: Any, path: str, depth: int) -> tuple[str, Any]:
     elif hasattr(value, "__dict__") and not isinstance(value, type) and not callable(value):
         parts = [(f"{path}.{k}", v) for k, v in vars(value).items()]
     for part, inner in parts:
-        if _fails(inner):
+        if fails(inner):
             return _culprit(inner, part, depth + 1)
     return path, value
 

@@ -3,8 +3,8 @@
 The notebook's :class:`mgtutor.Pool` (and :func:`mgtutor.launch`, a pool that runs one call)
 starts each rank with :func:`rank_main`. The rank wires its output to the notebook, installs a
 stack dump on SIGUSR1, joins the process group if the pool asked for one, then waits for
-:class:`~mgtutor.launcher._messages.Call` messages and runs each, until
-:class:`~mgtutor.launcher._messages.Exit` or the notebook's end. Nothing here is public: the
+:class:`~mgtutor.rank.messages.Call` messages and runs each, until
+:class:`~mgtutor.rank.messages.Exit` or the notebook's end. Nothing here is public: the
 rank API a training function uses is in :mod:`mgtutor.worker`.
 """
 
@@ -27,8 +27,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from mgtutor.errors import in_mgtutor
-from mgtutor.launcher import _channel, _cleanup, _namespace, _result, _send
-from mgtutor.launcher._messages import Call, Context, Done, Exit, Failed, Hello, Ready
+from mgtutor.rank import channel, namespace
+from mgtutor.rank.children import live_children
+from mgtutor.rank.messages import Call, Context, Done, Exit, Failed, Hello, Ready
+from mgtutor.rank.pickling import dumps_on_cpu, fails
+from mgtutor.rank.result import why_unsendable
 from mgtutor.worker import current_backend, current_device, guard_destroy, setup, teardown
 
 
@@ -241,18 +244,18 @@ def _run_call(call: Call, spec: RankSpec) -> Done | Failed:
     for filename, lines in call.sources.items():
         # Cells have no file on disk; with their text here, tracebacks show the failing line.
         linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-    _namespace.begin_call()
+    namespace.begin_call()
     try:
         fn, args, kwargs = _unpacked(call)
         if call.in_namespace:
-            fn = _namespace.in_rank_namespace(fn)
+            fn = namespace.in_rank_namespace(fn)
     except BaseException as exc:
         return _failure(exc, "could not unpack the function and its arguments", call.call)
     answer = _measured_call(fn, args, kwargs, call, spec)
-    kept = _namespace.kept_names()
+    kept = namespace.kept_names()
     if kept and isinstance(answer, Failed):
         # The notebook says it for a call that finished (Done's record); here, where it failed.
-        print(f"mgtutor: {_namespace.kept_note(kept)}")  # a note, not an error
+        print(f"mgtutor: {namespace.kept_note(kept)}")  # a note, not an error
     return answer
 
 
@@ -314,20 +317,20 @@ def _measured_call(fn: Any, args: tuple, kwargs: dict, call: Call, spec: RankSpe
             "memory": memory.measure(device, rss_start, peak_was_reset),
             "breakdown": _tracked_breakdown(),
             "timings": timing.collect_records(clear=True),
-            "children": _cleanup.live_children(),
-            "kept": _namespace.kept_names(),
+            "children": live_children(),
+            "kept": namespace.kept_names(),
         }
         if spec.one_call:
             # A launch's rank answers and exits, as its peers do: its record of collectives goes
             # with the answer (for the doctor, should a peer hang), then it leaves the group.
             record["flight_record"] = _own_record()
             teardown()
-        blob = _send.dumps_on_cpu(result)
+        blob = dumps_on_cpu(result)
     except BaseException as exc:
         sent = "finished, but its result could not be sent back"
-        if not isinstance(exc, Exception) or not _send._fails(result):
+        if not isinstance(exc, Exception) or not fails(result):
             return _failure(exc, sent, call.call)
-        message, where = _result.why_unsendable(fn, result, exc)  # not cloudpickle's frames
+        message, where = why_unsendable(fn, result, exc)  # not cloudpickle's frames
         exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
         return Failed(call.call, exc_type, message, where, None, sent, time.perf_counter())
     return Done(call.call, blob, record)
@@ -355,9 +358,9 @@ def rank_main(spec: RankSpec) -> None:
     _redirect_output(spec.stdout, spec.stderr)
     faulthandler.register(signal.SIGUSR1, file=spec.diag.fileno(), all_threads=True)
     _keep_alive.append(spec.diag)
-    _channel.attach(spec.conn)
+    channel.attach(spec.conn)
     messages = _messages(spec.conn)
-    _channel.send(Hello(os.getpid(), threading.main_thread().ident or 0))
+    channel.send(Hello(os.getpid(), threading.main_thread().ident or 0))
     _apply_context(spec.context, spec.env)
     guard_destroy()
     _start_doctor()
@@ -365,16 +368,16 @@ def rank_main(spec: RankSpec) -> None:
         try:
             setup(spec.backend)
         except BaseException as exc:
-            _channel.send(_failure(exc, "could not join the process group", 0))
+            channel.send(_failure(exc, "could not join the process group", 0))
             _flush()
             os._exit(1)
-    _channel.send(Ready())
+    channel.send(Ready())
     for message in messages:
         if isinstance(message, Exit):
             break
         answer = _run_call(message, spec)
         _flush()  # all fn printed is in the pipes before the answer (see _relay)
-        _channel.send(answer)
+        channel.send(answer)
         if isinstance(answer, Failed) and spec.one_call:
             _flush()
             os._exit(1)

@@ -1,7 +1,7 @@
 """The messages that travel between the notebook and its ranks, one class each.
 
 Every message is a small frozen dataclass, pickled over the pipe that joins the notebook's
-process to one rank (:mod:`mgtutor.launcher._channel` on the rank's side). The notebook sends a rank
+process to one rank (:mod:`mgtutor.rank.channel` on the rank's side). The notebook sends a rank
 :class:`Call` and :class:`Exit`; a rank answers with the others. Each message about a call
 carries the call's number, so a late answer to an earlier call is never taken for this one.
 """
