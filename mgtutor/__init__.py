@@ -6,9 +6,9 @@ from the layers below it (``tests/test_layout.py`` checks it), top first:
 * :mod:`mgtutor.bench` (the all-reduce bandwidth benchmark, ``python -m mgtutor.bench``), then
   this module, the public names.
 * :mod:`mgtutor.interactive`: :class:`Experiment`, controls that re-run an experiment.
-* :mod:`mgtutor.exercises`: exercises that check themselves on CPU ranks (the public
-  ``check_*`` functions; their cases in :mod:`~.exercises.cases`, reference solutions in
-  :mod:`~.exercises.solutions`).
+* :mod:`mgtutor.exercises`: exercises that check themselves on CPU ranks, one module per
+  exercise named by its key (its public ``check_*`` function, cases and diagnosis); reference
+  solutions in :mod:`~.exercises.solutions`.
 * :mod:`mgtutor.launcher`: starting ranks from a cell and looking after them.
   :func:`launch` runs a function once on every rank; :class:`Pool` keeps ranks alive between
   cells; :mod:`~mgtutor.launcher.magic` is the ``%%ddp`` cell magic (``%load_ext mgtutor``);
@@ -33,7 +33,8 @@ from the layers below it (``tests/test_layout.py`` checks it), top first:
   (:mod:`~.parallel.expert`). Beside it, :mod:`mgtutor.plan`: what is predicted, from formulas:
   :mod:`~.plan.memplan` (each rank's memory by category, computed ahead), :mod:`~.plan.planner`
   (a transformer's memory and traffic per GPU for a layout; its activations term by term in
-  :mod:`~.plan.activation_plan`).
+  :mod:`~.plan.activation_plan`) and :mod:`~.plan.step_time` (a layout's predicted step time,
+  checked against CPU ranks by :mod:`~.measure.step_check`).
 * :mod:`mgtutor.worker`: :func:`setup` joins the process group inside a worker (also under
   torchrun and SLURM); :func:`teardown` leaves it.
 * The ground: :mod:`mgtutor.errors` (:class:`WorkerError`, :class:`WorkerTimeout`,

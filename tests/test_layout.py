@@ -219,3 +219,11 @@ def test_every_folder_of_mgtutor_has_a_folder_of_tests() -> None:
     folders = [p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()]
     missing = [name for name in folders if not (tests / name / "__init__.py").exists()]
     assert not missing, f"tests/ has no folder for mgtutor/{', mgtutor/'.join(missing)}"
+
+
+def test_no_two_modules_share_a_name() -> None:
+    # A name says which module it is: `pipeline.py` in two folders makes every traceback and
+    # every search ask "which one?" (issue 36).
+    names = [path.name for path in PACKAGE.rglob("*.py") if path.name != "__init__.py"]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    assert not twice, f"module names used twice: {twice}"

@@ -67,7 +67,7 @@ from mgtutor.exercises.find_drifted import check_find_drifted
 from mgtutor.exercises.global_batch_stats import check_global_batch_stats
 from mgtutor.exercises.gpipe_step import check_gpipe_step
 from mgtutor.exercises.merge_partials import check_merge_partials
-from mgtutor.exercises.result import CheckResult
+from mgtutor.exercises.check_result import CheckResult
 from mgtutor.exercises.ring_average import check_ring_average
 from mgtutor.exercises.serial_fraction import check_serial_fraction
 from mgtutor.exercises.shard_indices import check_shard_indices

@@ -19,7 +19,7 @@ from mgtutor.exercises.rank_side import (
     everyone_ok,
     make_finding,
 )
-from mgtutor.exercises.result import CheckResult
+from mgtutor.exercises.check_result import CheckResult
 
 __all__ = ["CASES", "EXERCISE", "check_exact_accuracy", "run"]
 

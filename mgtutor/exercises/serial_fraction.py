@@ -16,7 +16,7 @@ from mgtutor.exercises.rank_side import (
     call_learner,
     make_finding,
 )
-from mgtutor.exercises.result import CheckResult
+from mgtutor.exercises.check_result import CheckResult
 
 __all__ = ["CASES", "EXERCISE", "check_serial_fraction", "run"]
 

@@ -25,7 +25,7 @@ from mgtutor.exercises.rank_side import (
     make_finding,
     same_tensors,
 )
-from mgtutor.exercises.result import CheckResult
+from mgtutor.exercises.check_result import CheckResult
 
 __all__ = ["SNAPSHOT_EPOCHS", "TrainingJob", "EXERCISE", "check_snapshot", "run"]
 

@@ -7,6 +7,9 @@
   formulas, for any layout of data (ZeRO 0-3), tensor and pipeline parallelism.
 * :mod:`.plan_rules`: the planner's rules about what runs: TP and SP collectives per layer,
   the layouts torch refuses, the pipeline bubble and the ranking rule.
+* :mod:`.step_time`: the planner's clock: a layout's predicted step time (compute at an
+  achieved FLOP/s, each collective on its link, the bubble, overlap, DDP's copies) on a
+  :class:`~.step_time.Hardware`, and the layouts ranked by it.
 * :mod:`.activation_plan`: the activations one layer keeps for backward, term by term
   (Korthikanti et al.), with the element and dropout-mask bytes as parameters.
 
