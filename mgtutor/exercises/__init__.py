@@ -59,6 +59,7 @@ from mgtutor.exercises import (
 from mgtutor.exercises.accumulate import check_accumulation
 from mgtutor.exercises.assign_buckets import check_buckets
 from mgtutor.exercises.bytes_per_rank import check_bytes_per_rank
+from mgtutor.exercises.check_result import CheckResult
 from mgtutor.exercises.checked_all_reduce import check_checked_all_reduce
 from mgtutor.exercises.checking import Exercise, check_all
 from mgtutor.exercises.exact_accuracy import check_exact_accuracy
@@ -67,7 +68,6 @@ from mgtutor.exercises.find_drifted import check_find_drifted
 from mgtutor.exercises.global_batch_stats import check_global_batch_stats
 from mgtutor.exercises.gpipe_step import check_gpipe_step
 from mgtutor.exercises.merge_partials import check_merge_partials
-from mgtutor.exercises.check_result import CheckResult
 from mgtutor.exercises.ring_average import check_ring_average
 from mgtutor.exercises.serial_fraction import check_serial_fraction
 from mgtutor.exercises.shard_indices import check_shard_indices

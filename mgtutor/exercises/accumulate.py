@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgtutor.exercises import solutions
+from mgtutor.exercises.check_result import CheckResult
 from mgtutor.exercises.checking import Exercise, check
 from mgtutor.exercises.rank_side import (
     Finding,
@@ -21,7 +22,6 @@ from mgtutor.exercises.rank_side import (
     make_finding,
     same_tensors,
 )
-from mgtutor.exercises.check_result import CheckResult
 
 __all__ = ["CASES", "EXERCISE", "check_accumulation", "run"]
 

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from mgtutor.exercises import solutions
+from mgtutor.exercises.check_result import CheckResult
 from mgtutor.exercises.checking import Exercise, check
 from mgtutor.exercises.rank_side import (
     Finding,
@@ -18,7 +19,6 @@ from mgtutor.exercises.rank_side import (
     everyone_ok,
     make_finding,
 )
-from mgtutor.exercises.check_result import CheckResult
 
 __all__ = ["CASES", "EXERCISE", "check_buckets", "run"]
 

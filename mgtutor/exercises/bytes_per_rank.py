@@ -8,13 +8,13 @@ from typing import Any
 import cloudpickle
 
 from mgtutor.exercises import solutions
+from mgtutor.exercises.check_result import CheckResult
 from mgtutor.exercises.checking import Exercise, check
 from mgtutor.exercises.rank_side import (
     Finding,
     call_learner,
     make_finding,
 )
-from mgtutor.exercises.check_result import CheckResult
 
 __all__ = ["CASES", "EXERCISE", "check_bytes_per_rank", "run"]
 

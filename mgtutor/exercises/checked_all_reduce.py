@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from mgtutor.exercises import solutions
+from mgtutor.exercises.check_result import CheckResult
 from mgtutor.exercises.checking import Exercise, check
 from mgtutor.exercises.rank_side import (
     Finding,
@@ -20,7 +21,6 @@ from mgtutor.exercises.rank_side import (
     everyone_ok,
     make_finding,
 )
-from mgtutor.exercises.check_result import CheckResult
 
 __all__ = ["CASES", "EXERCISE", "check_checked_all_reduce", "run"]
 

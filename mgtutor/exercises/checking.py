@@ -22,8 +22,8 @@ from typing import Any
 
 from mgtutor.errors import WorkerError, WorkerTimeout
 from mgtutor.exercises import rank_side
-from mgtutor.exercises.rank_side import Finding, LearnerFailed, run_candidates
 from mgtutor.exercises.check_result import FAILED, NOT_ATTEMPTED, PASSED, CheckResult
+from mgtutor.exercises.rank_side import Finding, LearnerFailed, run_candidates
 
 __all__ = ["Exercise", "check", "check_all"]
 

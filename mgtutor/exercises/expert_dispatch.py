@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from mgtutor.exercises import solutions
+from mgtutor.exercises.check_result import CheckResult
 from mgtutor.exercises.checking import Exercise, check
 from mgtutor.exercises.rank_side import Finding, call_learner, everyone_ok, make_finding
-from mgtutor.exercises.check_result import CheckResult
 
 __all__ = ["CASES", "EXERCISE", "check_expert_dispatch", "run"]
 

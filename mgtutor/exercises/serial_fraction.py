@@ -9,6 +9,7 @@ from typing import Any
 import cloudpickle
 
 from mgtutor.exercises import solutions
+from mgtutor.exercises.check_result import CheckResult
 from mgtutor.exercises.checking import Exercise, check
 from mgtutor.exercises.rank_side import (
     Finding,
@@ -16,7 +17,6 @@ from mgtutor.exercises.rank_side import (
     call_learner,
     make_finding,
 )
-from mgtutor.exercises.check_result import CheckResult
 
 __all__ = ["CASES", "EXERCISE", "check_serial_fraction", "run"]
 

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from mgtutor.exercises import solutions
+from mgtutor.exercises.check_result import CheckResult
 from mgtutor.exercises.checking import Exercise, check
 from mgtutor.exercises.rank_side import (
     Finding,
@@ -25,7 +26,6 @@ from mgtutor.exercises.rank_side import (
     make_finding,
     same_tensors,
 )
-from mgtutor.exercises.check_result import CheckResult
 
 __all__ = ["SNAPSHOT_EPOCHS", "TrainingJob", "EXERCISE", "check_snapshot", "run"]
 

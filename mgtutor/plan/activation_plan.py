@@ -21,7 +21,7 @@ stated exactly; :func:`activation_bytes_per_layer` is their sum.
 
 What the paper leaves out, and torch keeps: each LayerNorm's mean and reciprocal standard
 deviation, one value per token each (``norm_stat_bytes``; 0 by default, as in the paper).
-``tests/measure/test_activation_plan.py`` checks every term against what autograd saves in
+``tests/plan/test_activation_plan.py`` checks every term against what autograd saves in
 :class:`mgtutor.parallel.gpt_layer.GPTLayer`, in one process and per rank on 2 CPU ranks.
 """
 

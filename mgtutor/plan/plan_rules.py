@@ -2,7 +2,7 @@
 
 :mod:`mgtutor.plan.planner` does the arithmetic of bytes; this module holds the rules that
 decide which calls a layout makes and whether torch runs it at all, each checked against what
-runs (``tests/measure/test_planner.py``):
+runs (``tests/plan/test_planner.py``):
 
 * :func:`tp_collectives_per_layer`: the tensor- and sequence-parallel collectives one layer runs
   per micro-batch, counted on 2 CPU ranks with :class:`mgtutor.parallel.gpt_layer.ParallelGPTLayer`

@@ -7,7 +7,7 @@ each collective moves per optimizer step, and whether it fits. :func:`layouts` t
 layout for a number of GPUs and keeps those that fit.
 
 Everything here is arithmetic; the tests check each category against what CPU ranks hold and
-run (``tests/measure/test_planner.py``, ``test_activation_plan.py``, ``test_traffic.py``): the
+run (tests/plan/test_planner.py and test_activation_plan.py, tests/measure/test_traffic.py): the
 float32 model states against :func:`mgtutor.plan.memplan.estimate` (equal to what ranks
 hold), the activations term by term against autograd in
 :class:`mgtutor.parallel.gpt_layer.GPTLayer`, and every collective against the calls counted in
