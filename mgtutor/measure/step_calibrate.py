@@ -146,11 +146,20 @@ def small_calls(model: Transformer) -> dict[str, Any]:
 
     t = torch.zeros(model.micro_batch * model.seq_len * model.hidden)
     work, rank = bare_matmul(model)[0], dist.get_rank()
-    dist.all_reduce(t)
-    _ping(t, rank)
+
+    def timer(call: Any, per_call: int) -> Any:
+        def mean_seconds(calls: int) -> float:
+            # Start together: whatever ran before ended at a different moment on each rank,
+            # and the first call would wait out that difference, which no step's call does.
+            dist.barrier()
+            call()
+            return _mean_seconds(call, calls, work) / per_call
+
+        return mean_seconds
+
     return {
-        "all_reduce": lambda calls: _mean_seconds(lambda: dist.all_reduce(t), calls, work),
-        "send": lambda calls: _mean_seconds(lambda: _ping(t, rank), calls, work) / 2,
+        "all_reduce": timer(lambda: dist.all_reduce(t), 1),
+        "send": timer(lambda: _ping(t, rank), 2),
     }
 
 

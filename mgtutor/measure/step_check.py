@@ -223,7 +223,8 @@ def check(
     again beside each configuration's steps (as :func:`calibrate` did, just before each step, on
     the ranks that run it): on a shared machine what a rank gets changes from one second to the
     next, and a small collective's time is mostly the wait for the later rank, which changes
-    with it. The prediction uses the median of what was timed before the configuration's steps.
+    with it. The prediction uses the median FLOP/s and the mean call times timed before the
+    configuration's steps.
 
     Args:
         pool: a :class:`mgtutor.Pool` of 2 ranks.
@@ -274,8 +275,10 @@ def check(
     for name in configs:
         now = replace(hardware, flops={"fp32": statistics.median(rates[name])})
         if retime and small[name]:
+            # A mean, not a median: a call's wait is a fraction of a millisecond or a scheduler
+            # tick (4 ms here), and a step pays every call's.
             now = with_latencies(
-                now, model, {kind: statistics.median(v) for kind, v in small[name].items()}
+                now, model, {kind: statistics.fmean(v) for kind, v in small[name].items()}
             )
         measured.append(Measured(name, step_time(_plan_of(name, model), model, now), seconds[name]))
     return measured
