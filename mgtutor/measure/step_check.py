@@ -44,6 +44,7 @@ __all__ = [
     "calibrate",
     "check",
     "predict",
+    "runnable",
     "tolerance",
 ]
 
@@ -86,6 +87,20 @@ def tolerance() -> tuple[float | None, str]:
     if load > max(cores - 2, 0) + 1:
         return LOADED_TOLERANCE, f"loaded machine ({where})"
     return TOLERANCE, f"quiet machine ({where})"
+
+
+def runnable() -> tuple[str, ...]:
+    """The names in :data:`CONFIGS` this torch runs: all of them from torch 2.5; on 2.4 not the
+    pipelines, whose ``PipelineStage`` needs example inputs (``input_args``) that
+    :func:`check` does not give."""
+    import inspect
+
+    from torch.distributed.pipelining import PipelineStage
+
+    needs = inspect.signature(PipelineStage).parameters.get("input_args")
+    if needs is not None and needs.default is inspect.Parameter.empty:
+        return tuple(name for name, (_, _, pp, _) in CONFIGS.items() if pp == 1)
+    return tuple(CONFIGS)
 
 
 def _plan_of(name: str, model: Transformer = CHECK_MODEL) -> Plan:

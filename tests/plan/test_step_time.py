@@ -171,15 +171,17 @@ def test_cpu_ranks_predicted_within_the_bound():
     # issue 35, interleaved. The bound is 25%, or 50% while the machine is loaded (other work
     # queued for the cores takes uneven time slices from the ranks), and the test skips above
     # twice the cores' load (the ranks would time the other work): step_check.tolerance(),
-    # read before the ranks start (their own load would count otherwise).
+    # read before the ranks start (their own load would count otherwise). On torch 2.4 the
+    # pipelines are left out (step_check.runnable(): a 2.4 PipelineStage needs example inputs).
     bound, why = step_check.tolerance()
     if bound is None:
         pytest.skip(why)
+    configs = step_check.runnable()
     with mgtutor.Pool(2) as pool:
         start = time.perf_counter()
         hardware = step_check.calibrate(pool)
         calibration_s = time.perf_counter() - start
-        measured = step_check.check(pool, hardware, rounds=3, steps=2)
+        measured = step_check.check(pool, hardware, rounds=3, steps=2, configs=configs)
     assert calibration_s < 10
     report = "; ".join(f"{m.name}: {m.error:+.0%}" for m in measured)
     assert all(abs(m.error) <= bound for m in measured), f"{why}: {report}"
