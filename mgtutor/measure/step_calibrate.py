@@ -123,6 +123,18 @@ def _mean_seconds(fn: Any, calls: int, work: Any = None) -> float:
     return total / calls
 
 
+def _together_mean(call: Any, calls: int, work: Any, per_call: int = 1) -> float:
+    """Mean seconds of one of ``per_call`` collectives in ``call``, timed as
+    :func:`_mean_seconds` does after the ranks start together: a barrier and one untimed call
+    first, since whatever ran before ended at a different moment on each rank and the first
+    call would wait out that difference, which no step's call does."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    call()
+    return _mean_seconds(call, calls, work) / per_call
+
+
 def _ping(t: Any, rank: int) -> None:
     """Rank 0 sends ``t`` to rank 1, which sends it back: two sends."""
     import torch.distributed as dist
@@ -147,19 +159,9 @@ def small_calls(model: Transformer) -> dict[str, Any]:
     t = torch.zeros(model.micro_batch * model.seq_len * model.hidden)
     work, rank = bare_matmul(model)[0], dist.get_rank()
 
-    def timer(call: Any, per_call: int) -> Any:
-        def mean_seconds(calls: int) -> float:
-            # Start together: whatever ran before ended at a different moment on each rank,
-            # and the first call would wait out that difference, which no step's call does.
-            dist.barrier()
-            call()
-            return _mean_seconds(call, calls, work) / per_call
-
-        return mean_seconds
-
     return {
-        "all_reduce": timer(lambda: dist.all_reduce(t), 1),
-        "send": timer(lambda: _ping(t, rank), 2),
+        "all_reduce": lambda calls: _together_mean(lambda: dist.all_reduce(t), calls, work),
+        "send": lambda calls: _together_mean(lambda: _ping(t, rank), calls, work, per_call=2),
     }
 
 
@@ -213,16 +215,8 @@ def _calibrate_rank(
     reduce_s, send_s = [], []
     for size in sizes:
         t = torch.zeros(size // 4)
-        dist.all_reduce(t)
-        dist.barrier()
-        reduce_s.append(_mean_seconds(lambda t=t: dist.all_reduce(t), calls, work))
-
-        def ping(t: torch.Tensor = t) -> None:
-            _ping(t, rank)
-
-        ping()
-        dist.barrier()
-        send_s.append(_mean_seconds(ping, calls, work) / 2)
+        reduce_s.append(_together_mean(lambda t=t: dist.all_reduce(t), calls, work))
+        send_s.append(_together_mean(lambda t=t: _ping(t, rank), calls, work, per_call=2))
     return {"flops": flops, "all_reduce": reduce_s, "send": send_s, "copy": copy_rate}
 
 
