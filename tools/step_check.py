@@ -24,7 +24,7 @@ def main() -> None:
     apart = "back-to-back" not in sys.argv[2:]
     retime = "calibrated-latency" not in sys.argv[2:]
     bound, why = tolerance()  # before the ranks add their own load
-    with mgtutor.Pool(2) as pool:
+    with mgtutor.Pool(2, backend="gloo") as pool:
         start = time.perf_counter()
         hardware = calibrate(pool, rate=rate, after_compute=apart)
         print(

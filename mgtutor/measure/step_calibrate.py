@@ -31,6 +31,7 @@ __all__ = [
     "bare_matmul",
     "calibrate",
     "layer_step",
+    "needs_gloo_ranks",
     "seconds_per_call",
     "small_calls",
     "with_latencies",
@@ -135,6 +136,16 @@ def _together_mean(call: Any, calls: int, work: Any, per_call: int = 1) -> float
     return _mean_seconds(call, calls, work) / per_call
 
 
+def needs_gloo_ranks(pool: Any) -> None:
+    """Raise ValueError unless ``pool`` has 2 gloo ranks: the check's tensors stay on the CPU,
+    which NCCL (what :func:`mgtutor.setup` picks where each rank has a GPU) cannot reduce."""
+    if getattr(pool, "world_size", 2) != 2 or getattr(pool, "backend", "gloo") != "gloo":
+        raise ValueError(
+            f"the step-time check runs on 2 gloo ranks, got {pool!r}: use "
+            "mgtutor.Pool(2, backend='gloo') (CPU ranks, on a GPU machine too)"
+        )
+
+
 def _ping(t: Any, rank: int) -> None:
     """Rank 0 sends ``t`` to rank 1, which sends it back: two sends."""
     import torch.distributed as dist
@@ -233,7 +244,8 @@ def calibrate(
     """Measure this machine's 2 CPU ranks as a :class:`~mgtutor.plan.step_time.Hardware`.
 
     Args:
-        pool: a :class:`mgtutor.Pool` of 2 ranks to measure on.
+        pool: a :class:`mgtutor.Pool` of 2 gloo ranks to measure on
+            (``mgtutor.Pool(2, backend="gloo")``).
         model: the shape whose layer step (and MLP product) is timed.
         sizes: message sizes in bytes of the all-reduce and send/recv fits; by default those a
             step of ``model`` sends: one micro-batch's activation (TP's all-reduces, the
@@ -257,6 +269,7 @@ def calibrate(
 
     if rate not in ("step", "matmul"):
         raise ValueError(f"rate must be 'step' or 'matmul', got {rate!r}")
+    needs_gloo_ranks(pool)
     activation = 4 * model.micro_batch * model.seq_len * model.hidden
     bucket = min(DDP_BUCKET_BYTES, 4 * model.total)  # float32 gradients, DDP's bucket cap
     sizes = sizes or (activation, 1024 * _KIB, bucket)

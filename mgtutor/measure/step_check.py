@@ -28,6 +28,7 @@ from mgtutor.measure.step_calibrate import (
     bare_matmul,
     calibrate,
     layer_step,
+    needs_gloo_ranks,
     seconds_per_call,
     small_calls,
     with_latencies,
@@ -242,7 +243,7 @@ def check(
     configuration's steps.
 
     Args:
-        pool: a :class:`mgtutor.Pool` of 2 ranks.
+        pool: a :class:`mgtutor.Pool` of 2 gloo ranks.
         hardware: from :func:`calibrate` on the same pool.
         rounds: rounds of measurement; each round runs every configuration once, in turn.
         steps: timed steps per configuration per round (after one warm-up step), at least;
@@ -258,6 +259,7 @@ def check(
     Returns:
         One :class:`Measured` per configuration, in ``configs`` order.
     """
+    needs_gloo_ranks(pool)
     seconds: dict[str, list[float]] = {name: [] for name in configs}
     rates: dict[str, list[float]] = {name: [] for name in configs}
     small: dict[str, dict[str, list[float]]] = {name: {} for name in configs}

@@ -177,7 +177,7 @@ def test_cpu_ranks_predicted_within_the_bound():
     if bound is None:
         pytest.skip(why)
     configs = step_check.runnable()
-    with mgtutor.Pool(2) as pool:
+    with mgtutor.Pool(2, backend="gloo") as pool:
         start = time.perf_counter()
         hardware = step_check.calibrate(pool)
         calibration_s = time.perf_counter() - start
@@ -206,5 +206,23 @@ def _ddp_grads_share_a_bucket(view: bool) -> bool:
 def test_ddp_gradients_are_bucket_views_only_when_asked():
     # step_time's "copies" term: by default each gradient is its own tensor, copied into the
     # bucket and back; with gradient_as_bucket_view=True all four are views into one bucket.
-    assert mgtutor.launch(_ddp_grads_share_a_bucket, False, world_size=2).results == [False] * 2
-    assert mgtutor.launch(_ddp_grads_share_a_bucket, True, world_size=2).results == [True] * 2
+    assert (
+        mgtutor.launch(_ddp_grads_share_a_bucket, False, world_size=2, backend="gloo").results
+        == [False] * 2
+    )
+    assert (
+        mgtutor.launch(_ddp_grads_share_a_bucket, True, world_size=2, backend="gloo").results
+        == [True] * 2
+    )
+
+
+def test_the_check_refuses_ranks_that_are_not_two_gloo_ranks():
+    # Its tensors stay on the CPU: NCCL ranks (what setup() picks with a GPU per rank) fail.
+    class Ranks:
+        def __init__(self, world_size: int, backend: str | None) -> None:
+            self.world_size, self.backend = world_size, backend
+
+    step_calibrate.needs_gloo_ranks(Ranks(2, "gloo"))
+    for ranks in (Ranks(2, None), Ranks(2, "nccl"), Ranks(4, "gloo")):
+        with pytest.raises(ValueError, match="backend='gloo'"):
+            step_calibrate.needs_gloo_ranks(ranks)
