@@ -60,8 +60,10 @@ def _with_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _accelerator(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
+    """``kind`` usable now; None as a CUDA build on a machine without a GPU answers: the type
+    it was built for, but not available."""
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: kind is not None)
-    device = torch.device(kind) if kind else None
+    device = torch.device(kind or "cuda")
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: device)
 
 
@@ -89,9 +91,15 @@ def test_the_facts_are_torchs_own_answers() -> None:
         build.cuda,
         build.nccl,
     )
-    assert (
-        hw.accelerator == build.accelerator
-        and f"accelerator  {build.accelerator or 'none'}" in repr(hw)
+    assert hw.accelerator == build.accelerator
+    assert f"accelerator  {build.accelerator or 'none'}" in repr(hw)
+    # What it describes is the build's, not torch read again: a stand-in shows through.
+    stand_in = dataclasses.replace(build, nccl=not build.nccl, cuda="99.9", accelerator="xpu")
+    other = mgtutor.describe_hardware(stand_in)
+    assert (other.nccl_available, other.cuda_build, other.accelerator) == (
+        not build.nccl,
+        "99.9",
+        "xpu",
     )
 
 
