@@ -37,6 +37,7 @@ NOT_IN_CHECKED = {
     r"\benough_gpus\(": "prints SKIPPED here and runs on a GPU machine",
     r"\bGPUS\b": "depends on this machine's GPU count",
     r"\btorchvision\b": "is absent from some builds (skip it visibly: build.needs_torchvision)",
+    r"\.describe\(\)": "prints which build this is (torch, CUDA, NCCL, accelerator, OS)",
 }
 
 
@@ -168,6 +169,11 @@ def test_the_rules_catch_what_they_name(tmp_path: Path) -> None:
         },
         {"cell_type": "code", "metadata": {"tags": [CHECKED]}, "source": ["import torchvision"]},
         {"cell_type": "code", "metadata": {}, "source": ["import torchvision"]},  # unchecked: fine
+        {
+            "cell_type": "code",
+            "metadata": {"tags": [CHECKED]},
+            "source": ["this_build().describe()"],
+        },
     ]
     notebook = tmp_path / "scratch.ipynb"
     notebook.write_text(json.dumps({"cells": cells}))
@@ -180,4 +186,5 @@ def test_the_rules_catch_what_they_name(tmp_path: Path) -> None:
         "scratch.ipynb cell 7",
         "scratch.ipynb cell 8",
         "scratch.ipynb checked cell 9",
+        "scratch.ipynb checked cell 11",
     ]
