@@ -147,7 +147,8 @@ def torchvision_for(torch_version: str) -> str:
 
     torch 2.N.P pairs with torchvision 0.(N+15).P (2.14.1 with 0.29.1). A local version such as
     ``+cpu`` means the wheel came from PyTorch's own index, whose folder of that name has the
-    matching torchvision; PyPI's would pull in a torch of its own.
+    matching torchvision; PyPI's is built for PyPI's torch and does not import beside a ``+cpu``
+    wheel.
 
     Example:
         >>> torchvision_for("2.13.0+cpu")
