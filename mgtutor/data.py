@@ -3,7 +3,11 @@
 Every notebook must run on a machine without internet, so the default is
 :class:`SyntheticImages`: small images made from a seed, in classes a small CNN learns to tell
 apart in a few epochs. :func:`load_cifar10` gives the real CIFAR-10 when it is on disk (or when
-you allow a download)::
+you allow a download). Notebook 06's input pipeline lives here too: :func:`augment` (a typical
+per-sample augmentation, in plain torch) and the datasets its DataLoader workers read
+(:class:`AugmentedImages`, :class:`WorkerSeeds`, :class:`CountingDataset`): a worker started
+with *spawn* (macOS, Windows) imports its dataset's class by name, which a class defined in a
+notebook cell does not have::
 
     train = mgtutor.data.default_dataset("train")
     test = mgtutor.data.default_dataset("test")
@@ -12,6 +16,8 @@ you allow a download)::
 
 from __future__ import annotations
 
+import math
+import multiprocessing
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,7 +29,15 @@ from torch.utils.data import Dataset
 if TYPE_CHECKING:
     from torchvision.datasets import CIFAR10
 
-__all__ = ["SyntheticImages", "default_dataset", "load_cifar10"]
+__all__ = [
+    "AugmentedImages",
+    "CountingDataset",
+    "SyntheticImages",
+    "WorkerSeeds",
+    "augment",
+    "default_dataset",
+    "load_cifar10",
+]
 
 # Each seed owns three generator streams, so the prototypes never depend on the split and the
 # train and test samples are separate draws: seed * 3 + 0 / 1 / 2.
@@ -155,6 +169,100 @@ def default_dataset(split: str = "train", n: int | None = None) -> SyntheticImag
     return SyntheticImages(n, split=split)
 
 
+def augment(image: torch.Tensor, size: int = 32) -> torch.Tensor:
+    """One random augmentation of a ``(channels, h, w)`` image, as a typical pipeline does it.
+
+    A random resized crop (60-100% of the area, aspect 3/4 to 4/3) to ``size`` x ``size``, a
+    horizontal flip half the time, a rotation of up to 10 degrees, brightness, contrast and
+    saturation each scaled by 0.7-1.3, and a 3x3 Gaussian blur of sigma 0.1-1 (SimCLR's
+    augmentations, torchvision's ``RandomResizedCrop``, ``RandomRotation``, ``ColorJitter`` and
+    ``GaussianBlur``, written in plain torch). Its random numbers come from torch's global
+    generator, so ``torch.manual_seed`` and a DataLoader worker's seed decide them.
+
+    Example:
+        >>> augment(torch.zeros(3, 16, 16)).shape
+        torch.Size([3, 32, 32])
+    """
+    _, h, w = image.shape
+    u = torch.rand(9).tolist()
+    area = h * w * (0.6 + 0.4 * u[0])
+    ratio = math.exp(math.log(3 / 4) + math.log(16 / 9) * u[1])
+    ch, cw = min(h, round(math.sqrt(area / ratio))), min(w, round(math.sqrt(area * ratio)))
+    top, left = int(u[2] * (h - ch + 1)), int(u[3] * (w - cw + 1))
+    crop = image[None, :, top : top + ch, left : left + cw]
+    out = F.interpolate(crop, size=(size, size), mode="bilinear", antialias=True)
+    if u[4] < 0.5:
+        out = out.flip(-1)
+    angle = math.radians(10 * (2 * u[5] - 1))
+    cos, sin = math.cos(angle), math.sin(angle)
+    theta = torch.tensor([[[cos, -sin, 0.0], [sin, cos, 0.0]]])
+    out = F.grid_sample(
+        out, F.affine_grid(theta, list(out.shape), align_corners=False), align_corners=False
+    )
+    brightness, contrast, saturation = (0.7 + 0.6 * torch.rand(3)).tolist()
+    out = out * brightness
+    grey = out.mean(dim=1, keepdim=True)
+    out = (out - grey) * saturation + grey
+    mean = out.mean()
+    out = (out - mean) * contrast + mean
+    sigma = 0.1 + 0.9 * u[6]
+    taps = torch.exp(-(torch.arange(-1.0, 2.0) ** 2) / (2 * sigma**2))
+    kernel = (taps[:, None] * taps[None, :] / taps.sum() ** 2).expand(out.shape[1], 1, 3, 3)
+    out = F.conv2d(F.pad(out, (1, 1, 1, 1), mode="reflect"), kernel, groups=out.shape[1])
+    return out[0]
+
+
+class AugmentedImages(Dataset[tuple[torch.Tensor, int, int]]):
+    """``n`` of the workbook's synthetic images, augmented anew on every access, with their index.
+
+    Example:
+        >>> image, label, index = AugmentedImages(8)[3]
+        >>> tuple(image.shape), index
+        ((3, 32, 32), 3)
+    """
+
+    def __init__(self, n: int) -> None:
+        self.base = SyntheticImages(n, seed=0)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
+        image, label = self.base[index]
+        return augment(image), label, index
+
+
+class WorkerSeeds(Dataset[torch.Tensor]):
+    """4 samples, each ``[worker id, the worker's seed, torch's initial seed]`` where it loaded."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        info = torch.utils.data.get_worker_info()
+        return torch.tensor([info.id, info.seed, torch.initial_seed()])
+
+
+class CountingDataset(Dataset[int]):
+    """``n`` samples (their indices) that count their ``__getitem__`` calls in ``loaded.value``.
+
+    The counter is shared memory made by ``start_method``'s context, the one the DataLoader's
+    workers start with: each worker counts into it.
+    """
+
+    def __init__(self, n: int, start_method: str | None = None) -> None:
+        self.n = n
+        self.loaded = multiprocessing.get_context(start_method).Value("i", 0)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> int:
+        with self.loaded.get_lock():
+            self.loaded.value += 1
+        return index
+
+
 def load_cifar10(
     root: str | os.PathLike[str] = "data",
     *,
@@ -175,10 +283,20 @@ def load_cifar10(
 
     Raises:
         FileNotFoundError: if the data is not under ``root`` and ``download`` is False.
+        ImportError: torchvision does not import here (the message says how to install it).
 
     Example:
         >>> test = load_cifar10("data", train=False, download=True)  # doctest: +SKIP
     """
+    from mgtutor.build import this_build
+
+    build = this_build()
+    if build.torchvision is None:
+        raise ImportError(
+            f"load_cifar10 needs torchvision, which does not import here "
+            f"({build.torchvision_error}). For torch {build.torch}: {build.torchvision_install}; "
+            "or use mgtutor.data.SyntheticImages, which needs nothing more."
+        )
     import torchvision  # here, so that the offline dataset does not need torchvision
 
     if transform is None:

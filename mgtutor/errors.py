@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from typing import Any
 
 # mgtutor's folder, which holds this module: frames from files under it are the package's own.
@@ -35,7 +36,28 @@ __all__ = [
     "PicklingError",
     "FULL_TRACEBACK_ENV",
     "in_mgtutor",
+    "strip_ansi",
 ]
+
+# ECMA-48 control sequences (colours, bold) and the two-character escapes.
+_ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[@-Z\\-_])")
+
+
+def strip_ansi(text: str) -> str:
+    """``text`` without terminal escape codes: a traceback as plain lines.
+
+    Python 3.13 colours the tracebacks it prints (``sys.excepthook``) where ``FORCE_COLOR`` or
+    ``PYTHON_COLORS=1`` is set, or stderr is a terminal; ipykernel sets ``FORCE_COLOR=1`` in the
+    kernel's environment (``ZMQInteractiveShell.init_environment``), so every process started
+    from a notebook colours its tracebacks, and a line that says ``AttributeError: ...`` begins
+    with an escape code. Read a rank's or a child's traceback through this.
+
+    Example:
+        >>> strip_ansi("\\x1b[1;35mAttributeError\\x1b[0m: \\x1b[35mno\\x1b[0m")
+        'AttributeError: no'
+    """
+    return _ANSI.sub("", text)
+
 
 FULL_TRACEBACK_ENV = "MGTUTOR_FULL_TRACEBACK"
 _HOW_TO_SEE_ALL = (

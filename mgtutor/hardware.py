@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mgtutor.build import Build
 
 __all__ = ["GpuInfo", "HardwareInfo", "RankPlace", "describe_hardware"]
 
@@ -54,6 +56,7 @@ class HardwareInfo:
         gloo_available: whether torch.distributed has gloo (CPU, any machine).
         nccl_available: whether torch.distributed has NCCL (GPU, Linux).
         platform: the operating system and processor.
+        accelerator: the accelerator torch can use ("cuda", "mps", "xpu"), None without one.
     """
 
     cpu_cores: int
@@ -64,6 +67,7 @@ class HardwareInfo:
     gloo_available: bool
     nccl_available: bool
     platform: str
+    accelerator: str | None = None
 
     def backend_for(self, world_size: int) -> str:
         """The backend :func:`mgtutor.setup` picks for ``world_size`` ranks on this machine."""
@@ -83,6 +87,7 @@ class HardwareInfo:
             f"memory       {format_bytes(self.memory_bytes)}",
             f"backends     gloo: {'yes' if self.gloo_available else 'no'}, "
             f"nccl: {'yes' if self.nccl_available else 'no'}",
+            f"accelerator  {self.accelerator or 'none'}",
         ]
         if self.gpus:
             for g in self.gpus:
@@ -209,8 +214,12 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def describe_hardware() -> HardwareInfo:
+def describe_hardware(build: Build | None = None) -> HardwareInfo:
     """Look at this machine without starting any worker.
+
+    Args:
+        build: the build's facts; :func:`mgtutor.build.this_build` by default (a test passes a
+            stand-in, a build with NCCL for instance).
 
     Returns:
         A :class:`HardwareInfo`; it prints as a short table.
@@ -224,19 +233,22 @@ def describe_hardware() -> HardwareInfo:
     import torch
     import torch.distributed as dist
 
+    from mgtutor.build import this_build
+
+    build = build or this_build()
     gpus = []
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(i)
             gpus.append(GpuInfo(i, props.name, int(props.total_memory), (props.major, props.minor)))
-    available = dist.is_available()
     return HardwareInfo(
         cpu_cores=usable_cores(),
         memory_bytes=int(psutil.virtual_memory().total),
         gpus=tuple(gpus),
-        torch_version=torch.__version__,
-        cuda_build=torch.version.cuda,
-        gloo_available=available and dist.is_gloo_available(),
-        nccl_available=available and dist.is_nccl_available(),
-        platform=f"{platform.system()} {platform.machine()}, Python {platform.python_version()}",
+        torch_version=build.torch,
+        cuda_build=build.cuda,
+        gloo_available=dist.is_available() and dist.is_gloo_available(),
+        nccl_available=build.nccl,
+        platform=f"{build.os} {build.machine}, Python {'.'.join(map(str, build.python))}",
+        accelerator=build.accelerator,
     )

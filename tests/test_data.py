@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from mgtutor.build import this_build
 from mgtutor.data import SyntheticImages, default_dataset, load_cifar10
 from mgtutor.models import small_cnn
 
@@ -176,6 +177,10 @@ def test_default_dataset_rejects_a_bad_split() -> None:
         default_dataset("validation")
 
 
+@pytest.mark.skipif(
+    this_build().torchvision is None,
+    reason=f"torchvision does not import here; {this_build().torchvision_install}",
+)
 def test_missing_cifar10_says_how_to_get_it(tmp_path) -> None:
     with pytest.raises(FileNotFoundError) as info:
         load_cifar10(tmp_path, download=False)

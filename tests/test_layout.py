@@ -30,6 +30,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parallel", "plan"),  # what the notebooks build by hand; what is predicted, by formulas
     ("worker",),  # setup() and what fn asks of its rank
     ("checkpoint", "data", "errors", "hardware", "metrics", "models"),
+    ("build",),  # this_build(): the platform facts every notebook branch reads
     ("units",),  # format_bytes: imports nothing of mgtutor
 )
 

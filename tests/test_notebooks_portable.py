@@ -22,6 +22,8 @@ CHECKED = "nbval-check-output"
 # Anywhere in a code cell: what macOS lacks.
 NEVER = {
     r"\bsched_getaffinity\b": "is Linux-only (mgtutor.hardware.usable_cores() falls back)",
+    r"""(multiprocessing_context=|get_context\()["']fork""": "forks on macOS too, where it is "
+    "unsafe (use mgtutor.build.this_build().loader_start_method)",
 }
 # Source text and docstrings change with every torch release: a cell may show mgtutor's own or
 # the notebook's (a learner reads the code that runs), never torch's.
@@ -34,6 +36,8 @@ NOT_IN_CHECKED = {
     r"\bdevice_count\(": "prints or depends on this machine's GPU count",
     r"\benough_gpus\(": "prints SKIPPED here and runs on a GPU machine",
     r"\bGPUS\b": "depends on this machine's GPU count",
+    r"\btorchvision\b": "is absent from some builds (skip it visibly: build.needs_torchvision)",
+    r"\.describe\(\)": "prints which build this is (torch, CUDA, NCCL, accelerator, OS)",
 }
 
 
@@ -158,6 +162,18 @@ def test_the_rules_catch_what_they_name(tmp_path: Path) -> None:
             "source": ["for g in (f, torch.nn.Linear):\n", "    print(inspect.getsource(g))"],
         },
         {"cell_type": "code", "metadata": {}, "source": ["torch.nn.Linear.__doc__"]},
+        {
+            "cell_type": "code",
+            "metadata": {},
+            "source": ["DataLoader(d, multiprocessing_context='fork')"],
+        },
+        {"cell_type": "code", "metadata": {"tags": [CHECKED]}, "source": ["import torchvision"]},
+        {"cell_type": "code", "metadata": {}, "source": ["import torchvision"]},  # unchecked: fine
+        {
+            "cell_type": "code",
+            "metadata": {"tags": [CHECKED]},
+            "source": ["this_build().describe()"],
+        },
     ]
     notebook = tmp_path / "scratch.ipynb"
     notebook.write_text(json.dumps({"cells": cells}))
@@ -168,4 +184,7 @@ def test_the_rules_catch_what_they_name(tmp_path: Path) -> None:
         "scratch.ipynb checked cell 2",
         "scratch.ipynb cell 6",
         "scratch.ipynb cell 7",
+        "scratch.ipynb cell 8",
+        "scratch.ipynb checked cell 9",
+        "scratch.ipynb checked cell 11",
     ]

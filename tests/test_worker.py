@@ -260,6 +260,12 @@ def _mock_gpus(count: int):
     stack.enter_context(mock.patch.object(torch.cuda, "device_count", return_value=count))
     stack.enter_context(mock.patch.object(torch.cuda, "get_device_properties", return_value=props))
     stack.enter_context(mock.patch.object(dist, "is_nccl_available", return_value=True))
+    stack.enter_context(mock.patch.object(torch.cuda.nccl, "version", return_value=(2, 30, 7)))
+    # describe_hardware reads the build's facts once: again under the stand-in, and after it.
+    from mgtutor.build import this_build
+
+    this_build.cache_clear()
+    stack.callback(this_build.cache_clear)
     return stack
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import operator
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -11,6 +10,7 @@ import cloudpickle
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from mgtutor.build import loader_start_method
 from mgtutor.exercises import solutions
 from mgtutor.exercises.check_result import CheckResult
 from mgtutor.exercises.checking import Exercise, check
@@ -65,10 +65,20 @@ def check_shard_indices(shard_indices: Callable[..., Any], *, timeout: float = 3
 
 
 class _Stream(IterableDataset):
-    """An IterableDataset that asks the learner's function which samples this worker reads."""
+    """An IterableDataset that asks the learner's function which samples this worker reads.
+
+    It pickles the function by value (cloudpickle): a worker started with spawn (macOS) could not
+    look up by name a function defined in a notebook cell.
+    """
 
     def __init__(self, fn: Callable[..., Any], n: int, rank: int, world: int) -> None:
         self.fn, self.n, self.rank, self.world = fn, n, rank, world
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "fn": cloudpickle.dumps(self.fn)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, fn=cloudpickle.loads(state["fn"]))
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         info = get_worker_info()  # None when the loop itself reads (num_workers=0)
@@ -81,13 +91,12 @@ def _through_loader(
     fn: Callable[..., Any], n: int, rank: int, world: int, workers: int
 ) -> tuple[list, int]:
     """What each worker read, and how many batches the DataLoader yielded on this rank."""
-    # Forked workers, as notebook 06's: this rank's copy of fn needs no pickling to reach them.
-    context = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+    # Workers started as notebook 06's are: forked on Linux, spawned on macOS.
     loader = DataLoader(
         _Stream(fn, n, rank, world),
         batch_size=BATCH_SIZE,
         num_workers=workers,
-        multiprocessing_context=context,
+        multiprocessing_context=loader_start_method(),
     )
     reads: list[list[int]] = [[] for _ in range(workers)]
     batches = 0

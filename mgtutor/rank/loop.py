@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from mgtutor.errors import in_mgtutor
+from mgtutor.errors import in_mgtutor, strip_ansi
 from mgtutor.rank import channel, namespace
 from mgtutor.rank.children import live_children
 from mgtutor.rank.messages import Call, Context, Done, Exit, Failed, Hello, Ready
@@ -166,7 +166,9 @@ def _failure(exc: BaseException, context: str, call: int) -> Failed:
     # The frames below fn (%%ddp's runner of a cell) are mgtutor's, not the learner's.
     while tb is not None and tb.tb_next is not None and _is_mgtutor(tb.tb_frame):
         tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    # Plain text, whatever colour a message carries (strip_ansi says where colour comes from):
+    # the notebook's side reads the last line and the first sentence out of it.
+    text = strip_ansi("".join(traceback.format_exception(type(exc), exc, tb)))
     try:
         import cloudpickle
 
@@ -174,8 +176,9 @@ def _failure(exc: BaseException, context: str, call: int) -> Failed:
     except Exception:
         original = None
     exc_type = f"{type(exc).__module__}.{type(exc).__qualname__}".removeprefix("builtins.")
+    message = strip_ansi(str(exc))
     return Failed(
-        call, exc_type, str(exc), text, original, context, time.perf_counter(), _own_record()
+        call, exc_type, message, text, original, context, time.perf_counter(), _own_record()
     )
 
 
