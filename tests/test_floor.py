@@ -45,9 +45,9 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 def _pyproject_floor(name: str) -> str:
+    """The floor pyproject.toml gives ``name``, as a dependency or in an optional extra."""
     pyproject = (ROOT / "pyproject.toml").read_text()
-    block = re.search(r"^dependencies = \[(.*?)\]", pyproject, re.MULTILINE | re.DOTALL).group(1)
-    (spec,) = re.findall(rf'"{name}(>=[^"]+)"', block)
+    (spec,) = re.findall(rf'"{name}(>=[^"]+)"', pyproject)
     return _floor(spec, name)
 
 
@@ -64,9 +64,10 @@ def test_workbook_floor_is_the_same_in_requirements_environment_and_ci() -> None
     ci = (ROOT / ".ci" / "run").read_text()
     assert _ci_value(ci, "WORKBOOK_FLOOR_TORCH") == torch_floor
     assert _ci_value(ci, "WORKBOOK_FLOOR_TORCHVISION") == vision_floor
-    # Stage 2 runs the README's whole command on that pair.
+    # Stage 4 runs the README's whole command on that pair, with the oldest Python.
     assert re.search(
-        r'^tools/test_on_torch\.sh "\$WORKBOOK_FLOOR_TORCH" "\$WORKBOOK_FLOOR_TORCHVISION"$',
+        r'^MGTUTOR_PYTHON="\$py_oldest" \\\n'
+        r'tools/test_on_torch\.sh "\$WORKBOOK_FLOOR_TORCH" "\$WORKBOOK_FLOOR_TORCHVISION"',
         ci,
         re.MULTILINE,
     )
@@ -111,3 +112,13 @@ def test_ci_floor_environment_gets_the_rest_of_requirements() -> None:
     # cloudpickle is held at its own floor there (the newest is stage 1's).
     wanted["cloudpickle"] = wanted["cloudpickle"].replace(">=", "==")
     assert others == wanted
+
+
+def test_ci_tests_the_oldest_python_the_package_declares() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    declared = re.search(r'^requires-python = ">=(\d+\.\d+)"', pyproject, re.MULTILINE).group(1)
+    assert _ci_value(ci, "OLDEST_PYTHON") == declared
+    # ruff checks the code against the same Python's grammar.
+    target = re.search(r'^target-version = "py(\d)(\d+)"', pyproject, re.MULTILINE).groups()
+    assert ".".join(target) == declared
