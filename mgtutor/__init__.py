@@ -160,7 +160,10 @@ def _start_server_in_a_kernel() -> None:
     if os.environ.get("MGTUTOR_EARLY_SERVER", "1") == "0":
         return
     try:
-        from mgtutor.launcher import _processes
+        from mgtutor.launcher import _arguments, _processes
+
+        if _arguments.default_start_method() != "forkserver":  # macOS: ranks are spawned
+            return
 
         _processes.start_server_early()
     except Exception:  # an optimisation only: the first launch starts the server otherwise

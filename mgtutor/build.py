@@ -19,7 +19,14 @@ import re
 import sys
 from dataclasses import dataclass
 
-__all__ = ["Build", "loader_start_method", "needs_torchvision", "this_build", "torchvision_for"]
+__all__ = [
+    "Build",
+    "loader_start_method",
+    "needs_torchvision",
+    "rank_start_method",
+    "this_build",
+    "torchvision_for",
+]
 
 #: PyTorch's own package index; a local version such as ``+cpu`` names a folder of it.
 PYTORCH_INDEX = "https://download.pytorch.org/whl"
@@ -89,9 +96,10 @@ class Build:
         return _fork_safe(self.os, self.start_methods)
 
     @property
-    def fork_after_torch(self) -> bool:
-        """:attr:`fork_safe`, under the name the launcher asks it by."""
-        return self.fork_safe
+    def rank_start_method(self) -> str:
+        """How mgtutor starts ranks by default here: "forkserver" where forking is safe, else
+        "spawn" (see :func:`rank_start_method`)."""
+        return _rank_start_method(self.os, self.start_methods)
 
     @property
     def loader_start_method(self) -> str:
@@ -131,6 +139,25 @@ class Build:
 
 def _fork_safe(os: str, start_methods: tuple[str, ...]) -> bool:
     return "fork" in start_methods and os != "Darwin"
+
+
+def _rank_start_method(os: str, start_methods: tuple[str, ...]) -> str:
+    forkserver = _fork_safe(os, start_methods) and "forkserver" in start_methods
+    return "forkserver" if forkserver else "spawn"
+
+
+def rank_start_method() -> str:
+    """How mgtutor starts ranks by default: "forkserver" on Linux, "spawn" on macOS.
+
+    mgtutor's forkserver imports torch once and forks every rank from it. On macOS a fork
+    child aborts when it initialises an Objective-C class if its parent ever had a second
+    thread (objc4's fork-safety check, ``objc-initialize.mm``; ``pthread_is_threaded_np`` stays
+    true once a thread existed), and importing torch can start one (numpy's OpenBLAS pool, on
+    the numpy wheels for macOS before 14) while loading Foundation and Metal: the abort
+    Lightning's fork-based DDP met on macOS (Lightning-AI/pytorch-lightning#21345). A spawned
+    rank is a fresh interpreter that forks from nothing. Read without importing torch.
+    """
+    return _rank_start_method(platform.system(), tuple(multiprocessing.get_all_start_methods()))
 
 
 def loader_start_method() -> str:

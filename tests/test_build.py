@@ -25,9 +25,16 @@ from torch.utils.data import DataLoader
 
 import mgtutor
 from mgtutor import build as build_module
-from mgtutor.build import Build, loader_start_method, needs_torchvision, this_build, torchvision_for
+from mgtutor.build import (
+    Build,
+    loader_start_method,
+    needs_torchvision,
+    rank_start_method,
+    this_build,
+    torchvision_for,
+)
 from mgtutor.data import AugmentedImages, CountingDataset, WorkerSeeds, augment, load_cifar10
-from mgtutor.errors import strip_ansi
+from mgtutor.errors import ArgumentError, strip_ansi
 
 
 @pytest.fixture()
@@ -165,22 +172,70 @@ def test_the_loader_warns_and_pins_nothing_on_mps(monkeypatch) -> None:
     assert not build.loader_pins_memory
 
 
-@pytest.mark.parametrize(
-    ("system", "methods", "start"),
-    [
-        ("Linux", ("fork", "spawn", "forkserver"), "fork"),
-        ("Darwin", ("fork", "spawn", "forkserver"), "spawn"),
-        ("Windows", ("spawn",), "spawn"),
-    ],
-)
-def test_loader_workers_fork_only_where_it_is_safe(fresh, monkeypatch, system, methods, start):
+PLATFORMS = [
+    ("Linux", ("fork", "spawn", "forkserver"), "fork", "forkserver"),
+    ("Darwin", ("fork", "spawn", "forkserver"), "spawn", "spawn"),
+    ("Windows", ("spawn",), "spawn", "spawn"),
+]
+
+
+def _system(monkeypatch: pytest.MonkeyPatch, system: str, methods: tuple[str, ...]) -> None:
     monkeypatch.setattr(build_module.platform, "system", lambda: system)
     monkeypatch.setattr(
         build_module.multiprocessing, "get_all_start_methods", lambda: list(methods)
     )
+
+
+@pytest.mark.parametrize(("system", "methods", "start", "ranks"), PLATFORMS)
+def test_loader_workers_fork_only_where_it_is_safe(
+    fresh, monkeypatch, system, methods, start, ranks
+):
+    _system(monkeypatch, system, methods)
     build = this_build()
     assert build.os == system and build.loader_start_method == start == loader_start_method()
-    assert build.fork_after_torch is build.fork_safe is (start == "fork")
+    assert build.fork_safe is (start == "fork")
+
+
+@pytest.mark.parametrize(("system", "methods", "start", "ranks"), PLATFORMS)
+def test_ranks_start_from_a_forkserver_only_where_forking_is_safe(
+    fresh, monkeypatch, system, methods, start, ranks
+):
+    from mgtutor.launcher import _arguments
+
+    _system(monkeypatch, system, methods)
+    assert this_build().rank_start_method == ranks == rank_start_method()
+    assert _arguments.default_start_method() == ranks
+    _arguments.check_arguments(2, "gloo", 10, "spawn")  # spawn is offered everywhere
+    if ranks == "forkserver":
+        _arguments.check_arguments(2, "gloo", 10, "forkserver")
+    else:
+        with pytest.raises(ArgumentError, match="start_method='spawn'"):
+            _arguments.check_arguments(2, "gloo", 10, "forkserver")
+
+
+def test_on_macos_a_kernel_starts_no_forkserver_early(fresh, monkeypatch) -> None:
+    import mgtutor
+    from mgtutor.launcher import _processes
+
+    started = []
+    monkeypatch.setattr(_processes, "start_server_early", lambda: started.append(True))
+    monkeypatch.setitem(sys.modules, "ipykernel", sys.modules.get("ipykernel") or object())
+    monkeypatch.delenv("MGTUTOR_EARLY_SERVER", raising=False)
+    _system(monkeypatch, "Linux", ("fork", "spawn", "forkserver"))
+    mgtutor._start_server_in_a_kernel()
+    assert started == [True]
+    _system(monkeypatch, "Darwin", ("fork", "spawn", "forkserver"))
+    mgtutor._start_server_in_a_kernel()
+    assert started == [True]
+
+
+def test_a_pool_on_macos_spawns_its_ranks(fresh, monkeypatch) -> None:
+    _system(monkeypatch, "Darwin", ("fork", "spawn", "forkserver"))
+    with mgtutor.Pool(1, backend="gloo", idle_timeout=None) as pool:
+        assert pool.start_method == "spawn"
+        assert pool.run(lambda: __import__("multiprocessing").get_start_method()).results == [
+            "spawn"
+        ]
 
 
 def test_spawned_workers_read_the_notebooks_datasets() -> None:

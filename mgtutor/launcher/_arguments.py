@@ -10,20 +10,26 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from mgtutor.build import rank_start_method
 from mgtutor.errors import ArgumentError
 from mgtutor.worker import BACKENDS
 
 __all__ = [
-    "DEFAULT_START_METHOD",
     "START_METHODS",
     "backend_asked_for",
     "check_arguments",
     "check_ranks",
     "check_seconds",
+    "default_start_method",
 ]
 
 START_METHODS = ("forkserver", "spawn")
-DEFAULT_START_METHOD = "forkserver"
+
+
+def default_start_method() -> str:
+    """"forkserver" where forking a process that imported torch is safe (Linux), else "spawn"
+    (macOS: see :func:`mgtutor.build.rank_start_method`)."""
+    return rank_start_method()
 
 
 def backend_asked_for(backend: Any) -> Any:
@@ -67,8 +73,15 @@ def check_arguments(world_size: Any, backend: Any, start_timeout: Any, start_met
     if start_method is not None and start_method not in START_METHODS:
         raise ArgumentError(
             f"start_method must be one of {START_METHODS} (or None for "
-            f"{DEFAULT_START_METHOD!r}), got {start_method!r}. 'fork' is not offered: a forked "
+            f"{default_start_method()!r}), got {start_method!r}. 'fork' is not offered: a forked "
             f"rank inherits the notebook's CUDA state and fails once CUDA was used there."
+        )
+    if start_method == "forkserver" and default_start_method() != "forkserver":
+        raise ArgumentError(
+            "start_method='forkserver' is not offered on this system: the server imports torch "
+            "and forks every rank from it, and on macOS a forked child of a process that ever "
+            "had a second thread aborts when it initialises an Objective-C class. Pass "
+            "start_method='spawn' or None (spawn is the default here)."
         )
     if backend == "nccl":
         import torch

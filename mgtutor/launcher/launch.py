@@ -27,14 +27,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from mgtutor.launcher._arguments import DEFAULT_START_METHOD, START_METHODS
+from mgtutor.launcher._arguments import START_METHODS, default_start_method
 from mgtutor.launcher._handle import with_wall_time
 from mgtutor.launcher._report import Wording
 from mgtutor.launcher._supervise import Supervisor
 from mgtutor.launcher.pool import Pool
 from mgtutor.launcher.run import Run
 
-__all__ = ["launch", "START_METHODS", "DEFAULT_START_METHOD"]
+__all__ = ["launch", "START_METHODS", "default_start_method"]
 
 
 class OneCall(Pool):
@@ -95,12 +95,13 @@ def launch(
             unpickling fn and its arguments) before fn runs; None means no limit. The default
             of 5 minutes is generous for a laptop; a cluster node importing torch from a
             network file system may need more.
-        start_method: how the rank processes start. "forkserver" (the default): a server
-            process that has imported torch once, and never touched CUDA, forks each rank;
-            after the first launch in a session a rank starts in a fraction of a second.
-            "spawn": every rank is a fresh interpreter that imports torch itself (about a
-            second or more per launch). Both are safe after CUDA was used in the notebook;
-            plain "fork" is not, and is refused.
+        start_method: how the rank processes start. "forkserver" (the default on Linux): a
+            server process that has imported torch once, and never touched CUDA, forks each
+            rank; after the first launch in a session a rank starts in a fraction of a second.
+            "spawn" (the default, and the only choice, on macOS, where forking after torch
+            can abort: :func:`mgtutor.build.rank_start_method`): every rank is a fresh
+            interpreter that imports torch itself (about a second or more per launch). Both
+            are safe after CUDA was used in the notebook; plain "fork" is not, and is refused.
         quiet: show no progress bars (for launches made in a loop); what the ranks print and
             any error still come.
         **kwargs: keyword arguments for fn. (Names world_size, backend, timeout,

@@ -93,7 +93,8 @@ class Pool:
             else picks NCCL with one GPU per rank, else gloo.
         start_timeout: seconds the ranks may take to start and join the process group, and
             each call to unpickle fn; None means no limit.
-        start_method: "forkserver" (the default) or "spawn", as for :func:`mgtutor.launch`.
+        start_method: "forkserver" (the default on Linux) or "spawn" (the default and only
+            choice on macOS), as for :func:`mgtutor.launch`.
         join_group: join the default process group once at the start (the default); False
             leaves it to the functions run, as :func:`mgtutor.launch` does.
         idle_timeout: seconds without a call after which the ranks are stopped, to free their
@@ -140,7 +141,7 @@ class Pool:
         self.world_size = world_size
         self.backend = backend
         self.start_timeout = start_timeout
-        self.start_method = start_method or _arguments.DEFAULT_START_METHOD
+        self.start_method = start_method or _arguments.default_start_method()
         self.join_group = join_group
         self._wording = _wording or self._default_wording
         self._calls = 0

@@ -454,3 +454,14 @@ def test_ranks_see_the_notebooks_current_environment_folder_and_path(tmp_path, m
 
     expected = ("from the cell", False, str(tmp_path), str(tmp_path / "extra"), 1)
     assert mgtutor.launch(look, world_size=2).results == [expected, expected]
+
+
+def _how_i_started() -> str | None:
+    import multiprocessing
+
+    return multiprocessing.get_start_method(allow_none=True)
+
+
+def test_the_ranks_start_the_way_the_fixture_says(start_method: str) -> None:
+    # The start_method fixture sets the launcher's default; a rank reports how it was started.
+    assert mgtutor.launch(_how_i_started, world_size=1).results == [start_method]
