@@ -8,7 +8,8 @@ runs (``tests/plan/test_planner.py``):
   per micro-batch, counted on 2 CPU ranks with :class:`mgtutor.parallel.gpt_layer.ParallelGPTLayer`
   (and ``torch.utils.checkpoint`` around it for full recomputation).
 * :func:`refusal`: why torch does not run a pipeline, or None; :func:`in_flight`, the
-  micro-batches a stage keeps activations for, by schedule (:data:`SCHEDULES`).
+  micro-batches a stage keeps activations for, by schedule (:data:`SCHEDULES`);
+  :func:`fsdp_in_pipeline`, when FSDP holds a whole stage unsharded within the step.
 * :func:`bubble` and :func:`bubble_scaled_bytes`, the rule :func:`~mgtutor.plan.planner.layouts`
   ranks by (:data:`RANKING_RULE`). :func:`mgtutor.plan.step_time.ranked` ranks by time instead.
 """
@@ -25,6 +26,7 @@ __all__ = [
     "SCHEDULES",
     "bubble_scaled_bytes",
     "candidate_layouts",
+    "fsdp_in_pipeline",
     "in_flight",
     "rank_key",
     "refusal",
@@ -100,6 +102,20 @@ def refusal(*, pp: int, micro_batches: int, schedule: str = "1F1B") -> str | Non
             "2.11 to 2.15); use at least as many micro-batches as stages, or GPipe"
         )
     return None
+
+
+def fsdp_in_pipeline(*, dp: int, pp: int, zero: int) -> bool:
+    """Whether FSDP (ZeRO-2/3) runs under a pipeline, holding its stage unsharded in the step.
+
+    torch's pipeline stage keeps an FSDP module's parameters and gradients unsharded from one
+    micro-batch's backward to the next and reduce-scatters after the last
+    (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``,
+    ``perform_reduce_grad`` in ``distributed/pipelining/stage.py``, torch 2.11 to 2.15);
+    torchtitan keeps them after forward too (``reshard_after_forward`` False when pipelining:
+    ``get_fsdp_reshard_after_forward_policy`` in ``torchtitan/distributed/fsdp.py``). So the
+    stage is gathered once and reduce-scattered once per step, and held whole in between.
+    """
+    return pp > 1 and zero >= 2 and dp > 1
 
 
 def in_flight(pp: int, micro_batches: int, schedule: str = "1F1B") -> int:

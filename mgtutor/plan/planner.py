@@ -27,14 +27,8 @@ Sources of the formulas:
   Models", arXiv:2205.05198, section 4 and table 2 (16-bit activations, per layer).
 * Tensor parallelism: Shoeybi et al., "Megatron-LM", arXiv:1909.08053, section 3: two
   all-reduces of the layer's activation forward and two backward per layer (notebook 13).
-  Sequence parallelism, recomputation, what torch refuses, the bubble and the ranking rule:
-  :mod:`~mgtutor.plan.plan_rules`.
-* FSDP (ZeRO-2/3) under a pipeline: torch's pipeline stage keeps FSDP's parameters and
-  gradients unsharded from one micro-batch's backward to the next and reduce-scatters after the
-  last (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``,
-  ``perform_reduce_grad`` in ``distributed/pipelining/stage.py``, torch 2.11 to 2.15), and
-  torchtitan keeps them after forward too (``reshard_after_forward`` False when pipelining:
-  ``get_fsdp_reshard_after_forward_policy`` in ``torchtitan/distributed/fsdp.py``).
+  Sequence parallelism, recomputation, FSDP under a pipeline, what torch refuses, the bubble
+  and the ranking rule: :mod:`~mgtutor.plan.plan_rules`.
 * Float32 gradients with 16-bit parameters ("mixed_fp32_grads"): Megatron-LM's
   ``docs/source/api-guide/dist_optimizer.md`` (commit 50b073c), "float16 param, fp32 grads |
   18 | 6 + 12/d" bytes per parameter: gradients are accumulated and reduced in float32.
@@ -45,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from mgtutor.plan.activation_plan import (
     ACTIVATIONS_SOURCE,
@@ -59,12 +53,14 @@ from mgtutor.plan.plan_rules import (
     SCHEDULES,
     bubble,
     candidate_layouts,
+    fsdp_in_pipeline,
     in_flight,
     rank_key,
     refusal,
     refused_layouts,
     tp_collectives_per_layer,
 )
+from mgtutor.plan.shape import Transformer
 
 __all__ = [
     "ACTIVATIONS_SOURCE",
@@ -92,74 +88,6 @@ BYTES_PER_PARAMETER: dict[str, tuple[int, int, int]] = {
     "fp32": (4, 4, 8),
     "mixed_fp32_grads": (2, 4, 12),
 }
-
-
-@dataclass(frozen=True)
-class Transformer:
-    """The shape of a decoder-only transformer, as the formulas need it.
-
-    The parameter count, unless given, is the one of :class:`mgtutor.parallel.tensor.Block`
-    (GPT-2's layer): per layer q, k, v and output projections with biases (4h² + 4h), an MLP
-    of width ``ffn`` with biases (2h·ffn + ffn + h) and two LayerNorms (4h); plus a tied
-    embedding of ``vocab`` x h. Position embeddings and the final norm are left out.
-    ``style`` says which parameters tensor parallelism keeps whole (:attr:`replicated_per_layer`).
-
-    Args:
-        layers: number of transformer layers (L).
-        hidden: hidden size (h).
-        heads: attention heads (a).
-        seq_len: sequence length (s).
-        micro_batch: sequences per micro-batch (b).
-        ffn: the MLP's inner width; 4h by default.
-        vocab: vocabulary size (V); 0 for a stack of layers without an embedding.
-        params: the total parameter count, for a model whose layers differ from GPT-2's
-            (gated MLPs, no biases); each layer then holds ``(params - embedding) / layers``.
-        style: "gpt" (LayerNorms with biases, linear layers with biases) or "llama" (RMSNorm
-            weights, no biases; needs ``params``).
-    """
-
-    layers: int
-    hidden: int
-    heads: int
-    seq_len: int
-    micro_batch: int = 1
-    ffn: int | None = None
-    vocab: int = 0
-    params: int | None = None
-    style: Literal["gpt", "llama"] = "gpt"
-
-    def __post_init__(self) -> None:
-        if self.style not in ("gpt", "llama"):
-            raise ValueError(f"style must be 'gpt' or 'llama', got {self.style!r}")
-        if self.style == "llama" and self.params is None:
-            raise ValueError("a llama-style model needs params: its count is not GPT-2's")
-
-    @property
-    def embedding(self) -> int:
-        """Parameters of the (tied) token embedding: V·h."""
-        return self.vocab * self.hidden
-
-    @property
-    def replicated_per_layer(self) -> int:
-        """Parameters tensor parallelism keeps whole on every rank (Megatron-LM's split): GPT's
-        two LayerNorms (weight and bias) and two row-parallel biases, 6h; Llama's two RMSNorm
-        weights, 2h."""
-        return (6 if self.style == "gpt" else 2) * self.hidden
-
-    @property
-    def per_layer(self) -> int:
-        """Parameters of one layer: 4h² + 2h·ffn + 9h + ffn, or from ``params``."""
-        if self.params is not None:
-            return (self.params - self.embedding) // self.layers
-        h, f = self.hidden, self.ffn or 4 * self.hidden
-        return 4 * h * h + 2 * h * f + 9 * h + f
-
-    @property
-    def total(self) -> int:
-        """All parameters: L x per layer + embedding (``params`` when given)."""
-        if self.params is not None:
-            return self.params
-        return self.layers * self.per_layer + self.embedding
 
 
 @dataclass(frozen=True)
@@ -360,8 +288,8 @@ def plan(
         * in_flight(pp, micro_batches, schedule),
         "logits": 4 * model.micro_batch * model.seq_len * model.vocab // tp if pp == 1 else 0,
     }
-    fsdp_in_pipeline = pp > 1 and zero >= 2 and dp > 1
-    if fsdp_in_pipeline:
+    in_pipeline = fsdp_in_pipeline(dp=dp, pp=pp, zero=zero)
+    if in_pipeline:
         memory["transient"] = held * b_grad + (shard * dp * b_param if zero >= 3 else 0)
     elif zero >= 3:
         unit = max(layer_shard, model.embedding // tp)
@@ -371,7 +299,7 @@ def plan(
         grads, params = held * b_grad, held * b_param
         if zero == 0:
             collectives.append(_ring("all_reduce", dp, grads, 1, "dp"))
-        elif zero == 1 or fsdp_in_pipeline:
+        elif zero == 1 or in_pipeline:
             collectives.append(_ring("reduce_scatter", dp, grads, 1, "dp"))
             collectives.append(_ring("all_gather", dp, params, 1, "dp"))
         elif zero == 2:
