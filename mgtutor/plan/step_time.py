@@ -31,10 +31,13 @@ time. Every assumption is a parameter below, with its source:
 * Overlap: data parallelism's gradient collectives hide behind backward except the last bucket
   (DDP: Li et al., "PyTorch Distributed", VLDB 2020, section 3.2.3); ZeRO-3's all-gathers are
   prefetched behind compute except the first unit's; ZeRO-1/2's parameter all-gather after the
-  optimizer step hides nowhere; tensor parallelism's collectives sit between the matrix products
-  that need them and hide nowhere; pipeline sends are on the critical path. How much of a
-  collective can hide is the hardware's ``overlap`` (1 on GPUs, where NCCL runs on its own CUDA
-  stream; 0 on CPU ranks, whose gloo collectives use the cores that compute).
+  optimizer step hides nowhere; every tensor-parallel collective is charged as exposed. The
+  forward ones are: they sit between the matrix products that need them. The backward ones
+  need not be (Megatron-LM all-reduces the input's gradient while it computes the weight's,
+  notebook 13): this model leaves that overlap out, so it overstates TP's time. Pipeline
+  sends are on the critical path. How much of a collective can hide is the hardware's
+  ``overlap`` (1 on GPUs, where NCCL runs on its own CUDA stream; 0 on CPU ranks, whose gloo
+  collectives use the cores that compute).
 
 Left out: kernel launch and Python overhead, memory-bound operations (norms, softmax, the
 optimizer step), load imbalance between stages (the embedding, the loss), the slowest rank's
