@@ -22,8 +22,9 @@ per expert, which has no backward): the layer's own account of what it meant to 
 and keeps every ``all_to_all_single`` that ran, with the tensors it sent and received.
 :class:`MoE` is the one-process layer;
 :class:`ExpertParallelMoE` the same layer on ranks, built from it. Capacity is applied per
-group of tokens (a rank's tokens), in token order, as Switch does; a token whose every choice
-is dropped gets 0 from the layer (a transformer's residual connection carries it on).
+group of tokens (a rank's tokens), first choices in token order, then second choices (as
+DeepSpeed's ``top2gating`` does); a token whose every choice is dropped gets 0 from the layer (a
+transformer's residual connection carries it on).
 """
 
 from __future__ import annotations
@@ -154,7 +155,12 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tenso
 
 
 def capacity(tokens: int, num_experts: int, k: int, factor: float) -> int:
-    """Switch Transformer's expert capacity: ``ceil(factor * tokens * k / num_experts)``."""
+    """Assignments one expert takes from a group: ``ceil(factor * tokens * k / num_experts)``.
+
+    Switch Transformer's ``tokens / num_experts * factor`` (Fedus et al. 2021, eq. 3, where
+    ``k = 1``), counted in assignments and rounded up as Megatron-Core's ``get_capacity`` and
+    DeepSpeed's ``_capacity`` do for top-k routing.
+    """
     return math.ceil(factor * tokens * k / num_experts)
 
 
