@@ -187,7 +187,9 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Ten
     """Switch Transformer's auxiliary loss, ``N * sum_i f_i * P_i`` (arXiv:2101.03961).
 
     ``f_i`` is the fraction of the ``tokens * k`` assignments routed to expert i (before
-    capacity), ``P_i`` the router's mean probability for it. Uniform routing gives 1.0, which
+    capacity), as Megatron-Core's ``switch_load_balancing_loss_func`` counts them (DeepSpeed's
+    ``top2gating`` counts first choices only); ``P_i`` the router's mean probability for it.
+    Switch's coefficient ``alpha`` is left to the caller. Uniform routing gives 1.0, which
     is not a lower bound: 2 experts, 90 tokens at probabilities (0.51, 0.49) and 10 at (0, 1)
     give 0.934. Only ``P`` carries a gradient (``f`` comes from an argmax).
     """
@@ -284,7 +286,8 @@ class ExpertParallelMoE(nn.Module):
 
     Build it on every rank from the same ``MoE``: it shares that MoE's router and copies this
     rank's experts, so its parameters are what the rank holds. The router's gradient is this
-    rank's part: all-reduce it (sum) as data parallelism would. ``plan`` replaces
+    rank's part: all-reduce it with a sum (DDP would average: right only if each rank's loss is
+    scaled by the world size). ``plan`` replaces
     :func:`plan_dispatch` (notebook 16's exercise). ``last`` keeps the latest forward's counts
     (``per_expert``, ``send``, ``recv``, ``dropped``) for inspection.
     """
