@@ -285,3 +285,49 @@ def test_ring_over_a_subgroup_uses_global_ranks() -> None:
     for result in _ring_run()[1:]:
         assert torch.allclose(result["subgroup"]["out"], out[..., result["subgroup"]["rows"], :])
     assert "subgroup" not in _ring_run()[0]
+
+
+# --- torch's context_parallel on CPU ranks ---------------------------------------------------
+RELEASE = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])  # (2, 14)
+
+
+def _torch_context_parallel_on_cpu(causal: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    mgtutor.setup()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    q, k, v = _qkv(shape=(1, 2, 8, 4))[:3]
+    positions = torch.arange(8).unsqueeze(0)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    try:
+        with context_parallel(mesh, buffers=[q, k, v, positions], buffer_seq_dims=[2, 2, 2, 1]):
+            mine = positions[0].clone()
+            with context.SentBytes() as sent:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    except NotImplementedError:
+        return {"raised": True}
+    return {
+        "rows": mine.tolist(),
+        "equal": torch.allclose(out, full[..., mine, :]),
+        "sent": sent.records,
+        "block": out.nbytes,
+    }
+
+
+@pytest.mark.timeout(900)  # DTensor traces the CPU kernel's decomposition for each placement: slow
+def test_torchs_context_parallel_on_cpu_runs_unmasked_attention_by_gathering_k_and_v() -> None:
+    # Notebook 14 cites this: without a mask, from torch 2.13, SDPA on CPU ranks inside
+    # context_parallel runs through DTensor's rule derived from the kernel's decomposition,
+    # two all-gathers (K and V), and equals full attention; torch 2.11 raises.
+    results = mgtutor.launch(
+        _torch_context_parallel_on_cpu, False, world_size=2, backend="gloo", timeout=800
+    ).results
+    if RELEASE < (2, 13):  # 2.12 not checked
+        assert results == [{"raised": True}] * 2
+        return
+    for rank, r in enumerate(results):
+        assert r["rows"] == context.split_zigzag(8, 2)[rank].tolist()  # head-tail, mask or not
+        assert r["equal"]
+        gather = ("_c10d_functional.all_gather_into_tensor", r["block"], 2 * r["block"])
+        assert r["sent"] == [gather, gather]
