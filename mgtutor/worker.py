@@ -357,9 +357,9 @@ def keep_destroyed_groups() -> None:
 
 
 def _destroy_holds_gil() -> bool:
-    import torch
+    from mgtutor.build import torch_release
 
-    return torch.__version__ < _FIXED_IN  # a TorchVersion: compares with a tuple
+    return torch_release() < _FIXED_IN
 
 
 def guard_destroy() -> None:

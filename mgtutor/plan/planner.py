@@ -318,7 +318,15 @@ def plan(
         piece = activation // tp if sequence_parallel else activation
         collectives.append(Collective("send", "pp", pp, piece, sends, sends * piece))
     return Plan(
-        dp, tp, pp, zero, precision, memory, tuple(collectives), gpu_memory, micro_batches,
+        dp,
+        tp,
+        pp,
+        zero,
+        precision,
+        memory,
+        tuple(collectives),
+        gpu_memory,
+        micro_batches,
         schedule=schedule,
     )
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import mgtutor
+from mgtutor.build import torch_release
 from mgtutor.doctor.record import recorder_available
 from mgtutor.measure import traffic
 from mgtutor.measure.traffic import Call
@@ -67,7 +68,7 @@ def _count_in_ranks() -> dict:
         from torch.distributed.fsdp import fully_shard  # noqa: F401  public from torch 2.6
     except ImportError:
         out["missing"]["zero2"] = out["missing"]["zero3"] = "no torch.distributed.fsdp.fully_shard"
-    if torch.__version__ < (2, 6):  # older gloo pipelines could hang (pytorch#132644)
+    if torch_release() < (2, 6):  # older gloo pipelines could hang (pytorch#132644)
         out["missing"]["pp"] = "the pipeline case runs with torch >= 2.6 only"
     out["written"] = _written_by_collectives()
     for strategy, micro in MICRO.items():

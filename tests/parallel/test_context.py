@@ -304,9 +304,7 @@ def _torch_context_parallel_on_cpu(causal: bool) -> dict[str, Any]:
     with sdpa_kernel(SDPBackend.MATH):
         full = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         try:
-            with context_parallel(
-                mesh, buffers=[q, k, v, positions], buffer_seq_dims=[2, 2, 2, 1]
-            ):
+            with context_parallel(mesh, buffers=[q, k, v, positions], buffer_seq_dims=[2, 2, 2, 1]):
                 mine = positions[0].clone()
                 with context.SentBytes() as sent:
                     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)

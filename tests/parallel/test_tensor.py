@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import mgtutor
+from mgtutor.build import torch_release
 from mgtutor.measure import breakdown as breakdown_module
 from mgtutor.measure.activations import LiveTensors
 from mgtutor.parallel import tensor as tp
@@ -36,7 +37,7 @@ from mgtutor.parallel.tensor_comms import (
 from mgtutor.plan import memplan
 
 DIM, HEADS, HIDDEN, BATCH, SEQ = 16, 4, 64, 2, 8
-COMM_DEBUG_MODE_WORKS = torch.__version__ >= (2, 14)  # IndexError in _fw_set_module_hook before
+COMM_DEBUG_MODE_WORKS = torch_release() >= (2, 14)  # IndexError in _fw_set_module_hook before
 SEQ_BYTES = BATCH * SEQ * DIM * 8  # one float64 activation of the whole sequence
 
 

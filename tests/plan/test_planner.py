@@ -281,9 +281,7 @@ def test_planner_refuses_only_what_torch_refuses(tp_in_ranks):
     assert plan(shape, 2, GB, pp=2, micro_batches=1, schedule="GPipe").bubble == 1 / 2
     with pytest.raises(ValueError, match="schedule must be one of"):
         plan(shape, 2, GB, pp=2, micro_batches=2, schedule="1f1b")
-    assert dict(planner.refused_layouts(shape, 4, micro_batches=2)).keys() == {
-        "dp=1 x tp=1 x pp=4"
-    }
+    assert dict(planner.refused_layouts(shape, 4, micro_batches=2)).keys() == {"dp=1 x tp=1 x pp=4"}
     assert not planner.refused_layouts(shape, 4, micro_batches=2, schedule="GPipe")
     # Schedule1F1B with 2 stages: ValueError with 1 micro-batch, none with 2; GPipe takes both.
     if any(rank["1f1b"] is None for rank in tp_in_ranks):
@@ -377,7 +375,8 @@ def test_tp_keeps_the_norms_and_biases_of_each_style_whole():
     llama = Transformer(layers=2, hidden=8, heads=2, seq_len=4, params=2000, style="llama")
     assert (gpt.replicated_per_layer, llama.replicated_per_layer) == (48, 16)
     for model in (gpt, llama):
-        layer = plan(model, 2, GB, tp=2).memory["parameters"] - plan(model, 1, GB).memory[
-            "parameters"
-        ] // 2  # what TP=2 keeps beyond half: the whole parameters' other half, 2 bytes each
+        layer = (
+            plan(model, 2, GB, tp=2).memory["parameters"]
+            - plan(model, 1, GB).memory["parameters"] // 2
+        )  # what TP=2 keeps beyond half: the whole parameters' other half, 2 bytes each
         assert layer == 2 * model.layers * model.replicated_per_layer // 2
