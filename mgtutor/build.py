@@ -15,8 +15,10 @@ from __future__ import annotations
 import atexit
 import functools
 import multiprocessing
+import os
 import platform
 import re
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -238,15 +240,22 @@ def stop_loader_server() -> None:
 
     It would end by itself once the rank has exited, but a moment after, and mgtutor's launcher
     reports the processes a rank leaves behind; so :func:`loader_context` has a rank call this
-    as it exits. ``_stop`` is how multiprocessing's own tests stop a forkserver (Python 3.8 to
-    3.13). Nothing happens in the notebook's process, whose forkserver is mgtutor's rank server,
-    nor where no server was started.
+    as it exits. SIGTERM ends the server at once (it has no handler for it), not after the
+    seconds Python takes to shut down with torch loaded; ``_stop`` then reaps it, as
+    multiprocessing's own tests stop a forkserver (Python 3.8 to 3.13). Nothing happens in the
+    notebook's process, whose forkserver is mgtutor's rank server, nor where none was started.
     """
     from multiprocessing import forkserver
 
-    stop = getattr(forkserver._forkserver, "_stop", None)
-    if multiprocessing.parent_process() is not None and stop is not None:
-        stop()
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if multiprocessing.parent_process() is None or pid is None or not hasattr(server, "_stop"):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except OSError:
+        pass  # ended already; _stop reaps it
+    server._stop()
 
 
 def torchvision_for(torch_version: str) -> str:
