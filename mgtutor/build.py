@@ -12,18 +12,24 @@ checks, each citing where torch checks it.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import multiprocessing
+import os
 import platform
 import re
+import signal
 import sys
 from dataclasses import dataclass
 
 __all__ = [
+    "FORK_SAFE_PYTHON",
     "Build",
+    "loader_context",
     "loader_start_method",
     "needs_torchvision",
     "rank_start_method",
+    "stop_loader_server",
     "this_build",
     "torch_release",
     "torchvision_for",
@@ -31,6 +37,10 @@ __all__ = [
 
 #: PyTorch's own package index; a local version such as ``+cpu`` names a folder of it.
 PYTORCH_INDEX = "https://download.pytorch.org/whl"
+
+#: The first Python whose forked child cannot hang on a lock held by another thread at the fork
+#: (CPython gh-112275; see :func:`loader_start_method`).
+FORK_SAFE_PYTHON = (3, 12)
 
 
 @dataclass(frozen=True)
@@ -88,11 +98,12 @@ class Build:
 
     @property
     def fork_safe(self) -> bool:
-        """Whether a process that has imported torch may fork workers (DataLoader's, or ranks).
+        """Whether this system lets a process that imported torch fork (a forkserver's ranks).
 
         Not on macOS, whose system libraries are not safe to use in a forked child of a process
         with threads (Python made spawn macOS's default start method in 3.8, bpo-33725);
-        Windows has no fork at all.
+        Windows has no fork at all. DataLoader workers fork only where the Python is safe too
+        (:attr:`loader_start_method`).
         """
         return _fork_safe(self.os, self.start_methods)
 
@@ -104,12 +115,12 @@ class Build:
 
     @property
     def loader_start_method(self) -> str:
-        """How the notebooks start DataLoader workers: "fork" where it is safe, else "spawn".
+        """How the notebooks start DataLoader workers here (see :func:`loader_start_method`).
 
-        A spawned worker imports what it runs by name, so it must live in a module file (such as
-        :mod:`mgtutor.data`): a class defined in a notebook cell cannot be found there.
+        A worker that is not forked imports what it runs by name, so it must live in a module
+        file (such as :mod:`mgtutor.data`): a class defined in a notebook cell cannot be found.
         """
-        return "fork" if self.fork_safe else "spawn"
+        return _loader_start_method(self.os, self.python, self.start_methods)
 
     @property
     def loader_pins_memory(self) -> bool:
@@ -142,6 +153,19 @@ def _fork_safe(os: str, start_methods: tuple[str, ...]) -> bool:
     return "fork" in start_methods and os != "Darwin"
 
 
+def _loader_start_method(os: str, python: tuple[int, ...], start_methods: tuple[str, ...]) -> str:
+    if not _fork_safe(os, start_methods):
+        return "spawn"
+    if tuple(python[:2]) >= FORK_SAFE_PYTHON:
+        return "fork"
+    return "forkserver" if "forkserver" in start_methods else "spawn"
+
+
+def _python_version() -> tuple[int, int, int]:
+    major, minor, micro = sys.version_info[:3]
+    return major, minor, micro
+
+
 def _rank_start_method(os: str, start_methods: tuple[str, ...]) -> str:
     forkserver = _fork_safe(os, start_methods) and "forkserver" in start_methods
     return "forkserver" if forkserver else "spawn"
@@ -162,12 +186,77 @@ def rank_start_method() -> str:
 
 
 def loader_start_method() -> str:
-    """:attr:`Build.loader_start_method` without reading the rest (no torch, no torchvision).
+    """How DataLoader workers start here: "fork", "forkserver" or "spawn". Imports no torch.
 
-    For code in a rank, which starts DataLoader workers the notebooks' way.
+    * "fork" on Linux with Python 3.12 or later: a forked worker starts at once, with the
+      dataset already in its memory.
+    * "forkserver" on Linux with Python 3.10 and 3.11. A forked child there can hang for good
+      before it runs a line: ``PyOS_AfterFork_Child`` (``Modules/posixmodule.c``) deletes the
+      other threads' states, which takes the runtime's thread-list lock, before it resets that
+      lock, so a lock another thread held at the fork is never released (CPython gh-112275).
+      A rank has other threads, and its forked workers hung about 1 run in 5 here (3.10.13).
+      3.12 resets the lock first; the 3.11 branch got the fix later (python/cpython#112336),
+      but 3.10.13, 3.11.7 and Debian 12's 3.11.2 (disassembled here) still take it first, and
+      which patch releases have the fix was not established, so none is trusted. A forkserver
+      is a process without other threads that forks each worker (:func:`loader_context`).
+    * "spawn" on macOS, whose system libraries are unsafe in a forked child of a process with
+      threads (Python made spawn macOS's default in 3.8, bpo-33725), and on Windows.
     """
     methods = tuple(multiprocessing.get_all_start_methods())
-    return "fork" if _fork_safe(platform.system(), methods) else "spawn"
+    return _loader_start_method(platform.system(), _python_version(), methods)
+
+
+def loader_context(*preload: str) -> multiprocessing.context.BaseContext:
+    """The ``multiprocessing_context`` for DataLoader workers here (:func:`loader_start_method`).
+
+    A forkserver imports ``preload`` (and torch) once, so that the workers it forks need not:
+    on a busy 2-core machine importing torch takes seconds. That is set here only in a process
+    that multiprocessing started (a rank), which starts a forkserver of its own for its loaders,
+    kept for its later loaders and stopped when it exits (:func:`stop_loader_server`). The
+    notebook's own process shares mgtutor's rank server, which imports torch already (mgtutor
+    starts it in a kernel on Linux), and whose imports are not changed here.
+
+    Args:
+        preload: modules the workers need, such as the one defining the dataset's class.
+
+    Example:
+        >>> loader = DataLoader(data, num_workers=2, multiprocessing_context=loader_context())
+        ... # doctest: +SKIP
+    """
+    method = loader_start_method()
+    context = multiprocessing.get_context(method)
+    if method == "forkserver" and multiprocessing.parent_process() is not None:
+        context.set_forkserver_preload(["torch", *preload])
+        _stop_at_exit()
+    return context
+
+
+@functools.cache
+def _stop_at_exit() -> None:
+    atexit.register(stop_loader_server)
+
+
+def stop_loader_server() -> None:
+    """In a rank: stop the forkserver that its loaders started (:func:`loader_context`).
+
+    It would end by itself once the rank has exited, but a moment after, and mgtutor's launcher
+    reports the processes a rank leaves behind; so :func:`loader_context` has a rank call this
+    as it exits. SIGTERM ends the server at once (it has no handler for it), not after the
+    seconds Python takes to shut down with torch loaded; ``_stop`` then reaps it, as
+    multiprocessing's own tests stop a forkserver (Python 3.8 to 3.13). Nothing happens in the
+    notebook's process, whose forkserver is mgtutor's rank server, nor where none was started.
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if multiprocessing.parent_process() is None or pid is None or not hasattr(server, "_stop"):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except OSError:
+        pass  # ended already; _stop reaps it
+    server._stop()
 
 
 def torch_release(version: str | None = None) -> tuple[int, int]:
@@ -254,7 +343,7 @@ def this_build() -> Build:
     return Build(
         os=platform.system(),
         machine=platform.machine(),
-        python=tuple(sys.version_info[:3]),  # type: ignore[arg-type]
+        python=_python_version(),
         torch=torch.__version__,
         cuda=torch.version.cuda,
         hip=getattr(torch.version, "hip", None),

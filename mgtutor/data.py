@@ -5,9 +5,9 @@ Every notebook must run on a machine without internet, so the default is
 apart in a few epochs. :func:`load_cifar10` gives the real CIFAR-10 when it is on disk (or when
 you allow a download). Notebook 06's input pipeline lives here too: :func:`augment` (a typical
 per-sample augmentation, in plain torch) and the datasets its DataLoader workers read
-(:class:`AugmentedImages`, :class:`WorkerSeeds`, :class:`CountingDataset`): a worker started
-with *spawn* (macOS, Windows) imports its dataset's class by name, which a class defined in a
-notebook cell does not have::
+(:class:`AugmentedImages`, :class:`WorkerSeeds`, :class:`CountingDataset`, :class:`WhoLoads`): a
+worker that is not forked (:func:`mgtutor.build.loader_start_method`) imports its dataset's class
+by name, which a class defined in a notebook cell does not have::
 
     train = mgtutor.data.default_dataset("train")
     test = mgtutor.data.default_dataset("test")
@@ -33,6 +33,7 @@ __all__ = [
     "AugmentedImages",
     "CountingDataset",
     "SyntheticImages",
+    "WhoLoads",
     "WorkerSeeds",
     "augment",
     "default_dataset",
@@ -241,6 +242,24 @@ class WorkerSeeds(Dataset[torch.Tensor]):
     def __getitem__(self, index: int) -> torch.Tensor:
         info = torch.utils.data.get_worker_info()
         return torch.tensor([info.id, info.seed, torch.initial_seed()])
+
+
+class WhoLoads(Dataset[torch.Tensor]):
+    """``n`` samples, each ``[pid, torch threads]`` of the process that loaded it.
+
+    Example:
+        >>> WhoLoads(2)[0].tolist() == [os.getpid(), torch.get_num_threads()]
+        True
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.tensor([os.getpid(), torch.get_num_threads()])
 
 
 class CountingDataset(Dataset[int]):

@@ -27,13 +27,21 @@ import mgtutor
 from mgtutor import build as build_module
 from mgtutor.build import (
     Build,
+    loader_context,
     loader_start_method,
     needs_torchvision,
     rank_start_method,
     this_build,
     torchvision_for,
 )
-from mgtutor.data import AugmentedImages, CountingDataset, WorkerSeeds, augment, load_cifar10
+from mgtutor.data import (
+    AugmentedImages,
+    CountingDataset,
+    WhoLoads,
+    WorkerSeeds,
+    augment,
+    load_cifar10,
+)
 from mgtutor.errors import ArgumentError, strip_ansi
 
 
@@ -186,14 +194,31 @@ def _system(monkeypatch: pytest.MonkeyPatch, system: str, methods: tuple[str, ..
     )
 
 
-@pytest.mark.parametrize(("system", "methods", "start", "ranks"), PLATFORMS)
-def test_loader_workers_fork_only_where_it_is_safe(
-    fresh, monkeypatch, system, methods, start, ranks
+ALL_METHODS = ("fork", "spawn", "forkserver")
+LOADER_STARTS = [  # system, its start methods, Python, how DataLoader workers start
+    ("Linux", ALL_METHODS, (3, 13, 0), "fork"),
+    ("Linux", ALL_METHODS, (3, 12, 0), "fork"),
+    # CPython gh-112275: a forked child can hang on a lock another thread held at the fork.
+    ("Linux", ALL_METHODS, (3, 11, 7), "forkserver"),
+    ("Linux", ALL_METHODS, (3, 10, 13), "forkserver"),
+    ("Linux", ("fork", "spawn"), (3, 10, 13), "spawn"),
+    ("Darwin", ALL_METHODS, (3, 13, 0), "spawn"),
+    ("Darwin", ALL_METHODS, (3, 10, 13), "spawn"),
+    ("Windows", ("spawn",), (3, 13, 0), "spawn"),
+]
+
+
+@pytest.mark.parametrize(("system", "methods", "python", "start"), LOADER_STARTS)
+def test_loader_workers_fork_only_on_a_system_and_a_python_where_it_is_safe(
+    fresh, monkeypatch, system, methods, python, start
 ):
     _system(monkeypatch, system, methods)
+    monkeypatch.setattr(build_module, "_python_version", lambda: python)
     build = this_build()
-    assert build.os == system and build.loader_start_method == start == loader_start_method()
-    assert build.fork_safe is (start == "fork")
+    assert build.python == python
+    assert build.loader_start_method == start == loader_start_method()
+    assert loader_context().get_start_method() == start
+    assert build.fork_safe is (system == "Linux")  # the system alone: ranks' forkserver
 
 
 @pytest.mark.parametrize(("system", "methods", "start", "ranks"), PLATFORMS)
@@ -248,6 +273,62 @@ def test_spawned_workers_read_the_notebooks_datasets() -> None:
     counting = CountingDataset(16, "spawn")
     assert sum(len(b) for b in DataLoader(counting, batch_size=4, **spawn)) == 16
     assert counting.loaded.value == 16  # the worker counted into the notebook's shared memory
+    who = [row.tolist() for b in DataLoader(WhoLoads(4), batch_size=2, **spawn) for row in b]
+    assert len({pid for pid, _ in who} - {os.getpid()}) == 1 and {t for _, t in who} == {1}
+
+
+@pytest.mark.skipif(
+    "forkserver" not in __import__("multiprocessing").get_all_start_methods()
+    or sys.platform == "darwin",
+    reason="no forkserver for loaders on this system: workers are spawned",
+)
+def test_a_rank_on_python_3_10_starts_its_workers_from_its_own_server_and_stops_it() -> None:
+    # Python 3.10 and 3.11's way, on any Python here: a stand-in version inside the rank.
+    def in_a_rank() -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        import psutil
+
+        from mgtutor import build
+
+        build._python_version = lambda: (3, 10, 13)
+        loader = DataLoader(
+            WhoLoads(8),
+            batch_size=2,
+            num_workers=2,
+            multiprocessing_context=build.loader_context("mgtutor.data"),
+        )
+        me = psutil.Process()
+        batches = iter(loader)
+        loaded = next(batches).tolist()
+        during = [child.pid for child in me.children()]  # forked workers would be here
+        loaded += [row for b in batches for row in b.tolist()]
+        after = [child.pid for child in me.children()]  # the workers ended with the loader
+        build.stop_loader_server()
+        left = [child.pid for child in me.children()]
+        return sorted({pid for pid, _ in loaded}), [os.getpid()], during, after, left
+
+    run = mgtutor.launch(in_a_rank, world_size=1, quiet=True)
+    workers, rank, during, after, left = run.results[0]
+    assert len(workers) == 2 and not set(workers) & set(rank + during)
+    assert len(during) == 1 and after == during and left == []  # one server, until stopped
+
+
+@pytest.mark.skipif(
+    "forkserver" not in __import__("multiprocessing").get_all_start_methods()
+    or sys.platform == "darwin",
+    reason="no forkserver for loaders on this system: workers are spawned",
+)
+def test_a_ranks_loader_server_ends_with_the_rank(capsys) -> None:
+    # Without a call to stop it, the launcher would find the server left behind and say so.
+    def in_a_rank() -> int:
+        from mgtutor import build
+
+        build._python_version = lambda: (3, 11, 7)
+        context = build.loader_context("mgtutor.data")
+        return len(list(DataLoader(WhoLoads(4), num_workers=2, multiprocessing_context=context)))
+
+    assert mgtutor.launch(in_a_rank, world_size=2, quiet=True).results == [4, 4]
+    said = capsys.readouterr()
+    assert "left processes running" not in said.out + said.err
 
 
 def test_the_exercise_sends_a_learners_function_to_spawned_workers() -> None:

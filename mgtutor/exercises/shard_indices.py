@@ -10,7 +10,7 @@ import cloudpickle
 import torch.distributed as dist
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from mgtutor.build import loader_start_method
+from mgtutor.build import loader_context, loader_start_method
 from mgtutor.exercises import solutions
 from mgtutor.exercises.check_result import CheckResult
 from mgtutor.exercises.checking import Exercise, check
@@ -21,7 +21,7 @@ from mgtutor.exercises.rank_side import (
     make_finding,
 )
 
-__all__ = ["CASES", "EXERCISE", "check_shard_indices", "run"]
+__all__ = ["CASES", "EXERCISE", "check_shard_indices", "default_timeout", "run"]
 
 BATCH_SIZE = 2  # the DataLoader's, in the cases read through one
 CASES = (  # label, samples, workers per rank, through a real DataLoader
@@ -34,7 +34,9 @@ CASES = (  # label, samples, workers per rank, through a real DataLoader
 Reads = list[list[list[int]]]  # reads[rank][worker]: the samples that worker returned
 
 
-def check_shard_indices(shard_indices: Callable[..., Any], *, timeout: float = 30.0) -> CheckResult:
+def check_shard_indices(
+    shard_indices: Callable[..., Any], *, timeout: float | None = None
+) -> CheckResult:
     """Check how a stream's samples are split between ranks and their DataLoader workers.
 
     The exercise: write ``shard_indices(n_samples, rank, world_size, worker_id, num_workers)
@@ -48,12 +50,15 @@ def check_shard_indices(shard_indices: Callable[..., Any], *, timeout: float = 3
 
     The checker runs it on 2 ranks: each rank calls it for each of its workers, on sample
     counts that divide and that do not, fewer samples than readers and no workers; and twice
-    through a real ``DataLoader`` (batches of 2, 2 forked workers on each rank), counting the
-    batches each rank's loader yields. The ranks exchange what each worker read.
+    through a real ``DataLoader`` (batches of 2, 2 workers on each rank, started as notebook
+    06's are: :func:`mgtutor.build.loader_start_method`), counting the batches each rank's
+    loader yields. The ranks exchange what each worker read.
 
     Args:
         shard_indices: your function.
-        timeout: seconds the ranks may take before they are stopped and a hang is reported.
+        timeout: seconds the ranks may take before they are stopped and a hang is reported;
+            by default 30, or 60 where the workers are not forked (each rank's forkserver
+            imports torch first, which takes seconds on a busy laptop).
 
     Returns:
         A :class:`CheckResult`.
@@ -61,7 +66,12 @@ def check_shard_indices(shard_indices: Callable[..., Any], *, timeout: float = 3
     Raises:
         TypeError: ``shard_indices`` is not a function.
     """
-    return check(EXERCISE, (shard_indices,), timeout)
+    return check(EXERCISE, (shard_indices,), timeout or default_timeout())
+
+
+def default_timeout() -> float:
+    """:func:`check_shard_indices`'s timeout here: 30 s, or 60 s where workers are not forked."""
+    return 30.0 if loader_start_method() == "fork" else 60.0
 
 
 class _Stream(IterableDataset):
@@ -91,12 +101,13 @@ def _through_loader(
     fn: Callable[..., Any], n: int, rank: int, world: int, workers: int
 ) -> tuple[list, int]:
     """What each worker read, and how many batches the DataLoader yielded on this rank."""
-    # Workers started as notebook 06's are: forked on Linux, spawned on macOS.
+    # Workers started as notebook 06's are (mgtutor.build.loader_start_method): forked on Linux
+    # with Python 3.12+, from this rank's own forkserver with 3.10 and 3.11, spawned on macOS.
     loader = DataLoader(
         _Stream(fn, n, rank, world),
         batch_size=BATCH_SIZE,
         num_workers=workers,
-        multiprocessing_context=loader_start_method(),
+        multiprocessing_context=loader_context(__name__),
     )
     reads: list[list[int]] = [[] for _ in range(workers)]
     batches = 0

@@ -15,7 +15,7 @@ import torch
 
 from mgtutor import exercises
 from mgtutor.build import torch_release
-from mgtutor.exercises import CheckResult, solutions
+from mgtutor.exercises import CheckResult, shard_indices, solutions
 from tests.exercises import wrong_answers as w
 
 # The checkers serve the notebooks, which run on the newest torch only: not run on the floor.
@@ -326,7 +326,9 @@ TABLE = [
     ),
     Row("expert_dispatch", (w.plan_without_minlength,), ("no token chooses", "minlength")),
 ]
-TIMEOUTS = {"gpipe_step": 30.0}  # seconds per launch; 20 for the others
+# Seconds per launch; 20 for the others. shard_indices' loaders may start a forkserver in each
+# rank, which imports torch first (mgtutor.build.loader_start_method).
+TIMEOUTS = {"gpipe_step": 30.0, "shard_indices": shard_indices.default_timeout()}
 
 
 @functools.cache
