@@ -110,11 +110,10 @@ class RankTrace:
         prefix = f"{self.backend}:"
         found = [
             Collective(self.rank, e["name"], e["ts"], e["ts"] + e["dur"], _nbytes(e))
-            for e in self.events
+            for e in sorted(self.events, key=lambda e: e.get("ts", 0))
             if e.get("ph") == "X"
             and e.get("cat") == "user_annotation"
             and e["name"].startswith(prefix)
-            and (kind is None or e["name"] == prefix + kind)
         ]
         kernels = [
             e for e in self.events if e.get("cat") == "kernel" and "nccl" in e["name"].lower()
@@ -125,7 +124,8 @@ class RankTrace:
                 Collective(c.rank, c.name, k["ts"], k["ts"] + k["dur"], c.nbytes)
                 for c, k in zip(found, sorted(kernels, key=lambda k: k["ts"]))
             ]
-        return sorted(found, key=lambda c: c.start)
+        wanted = [c for c in found if kind is None or c.name == prefix + kind]
+        return sorted(wanted, key=lambda c: c.start)
 
 
 def _nbytes(event: dict[str, Any]) -> int | None:
