@@ -242,16 +242,10 @@ def plot_step_times(run: Run, *, scale_warmup: bool = False) -> Figure:
                 ax.plot(step, top, marker="^", mfc="none", color=line.get_color(), clip_on=False)
                 off_scale[step] = max(t, off_scale.get(step, 0.0))
     if off_scale:  # the slowest rank's time per step, in one label: neighbours' would overlap
-        lines = [f"step {step}: {t:.0f} ms" for step, t in sorted(off_scale.items())]
-        ax.annotate(
-            "\n".join(["above the axis:", *lines]),
-            (max(off_scale), top),
-            xytext=(8, -4),
-            textcoords="offset points",
-            va="top",
-            fontsize=7,
-            bbox={"facecolor": "white", "edgecolor": "#999999", "alpha": 0.9},
-        )
+        lines = ["above the axis:"] + [f"step {s}: {t:.0f} ms" for s, t in off_scale.items()]
+        box = {"facecolor": "white", "edgecolor": "#999999", "alpha": 0.9}
+        ax.annotate("\n".join(lines), (max(off_scale), top), xytext=(8, -4),
+                    textcoords="offset points", va="top", fontsize=7, bbox=box)  # fmt: skip
     if warmup:
         ax.axvspan(-0.5, warmup - 0.5, color="#dddddd", zorder=0, label="warm-up")
     ax.set_xlabel("step")
