@@ -209,8 +209,7 @@ def plot_step_times(run: Run, *, scale_warmup: bool = False) -> Figure:
 
     The warm-up steps (:attr:`mgtutor.Run.warmup_steps`: a first GPU step can take 300 times
     a later one) are shaded and drawn, but the time axis is scaled to the steps after them; a
-    warm-up point above the axis is drawn at its top edge, and one label beside the last of them
-    lists their times.
+    warm-up point above the axis is drawn at its top edge, one label listing their times.
 
     Args:
         run: what :func:`mgtutor.launch` returned.
@@ -242,10 +241,11 @@ def plot_step_times(run: Run, *, scale_warmup: bool = False) -> Figure:
                 ax.plot(step, top, marker="^", mfc="none", color=line.get_color(), clip_on=False)
                 off_scale[step] = max(t, off_scale.get(step, 0.0))
     if off_scale:  # the slowest rank's time per step, in one label: neighbours' would overlap
-        lines = ["above the axis:"] + [f"step {s}: {t:.0f} ms" for s, t in off_scale.items()]
-        box = {"facecolor": "white", "edgecolor": "#999999", "alpha": 0.9}
-        ax.annotate("\n".join(lines), (max(off_scale), top), xytext=(8, -4),
-                    textcoords="offset points", va="top", fontsize=7, bbox=box)  # fmt: skip
+        ordered = sorted(off_scale.items())  # a step may go off the scale on rank 1 only
+        lines = ["above the axis:"] + [f"step {s}: {t:.0f} ms" for s, t in ordered]
+        box = {"facecolor": "white", "edgecolor": "#999", "alpha": 0.9}
+        ax.annotate("\n".join(lines), (max(off_scale), top), (8, -4), "data", "offset points",
+                    va="top", fontsize=7, bbox=box)  # fmt: skip
     if warmup:
         ax.axvspan(-0.5, warmup - 0.5, color="#dddddd", zorder=0, label="warm-up")
     ax.set_xlabel("step")
