@@ -305,5 +305,5 @@ def merge_traces(traces: Sequence[RankTrace]) -> dict[str, Any]:
 def write_trace(traces: Sequence[RankTrace], path: str | os.PathLike[str]) -> dict[str, Any]:
     """Write :func:`merge_traces`'s file to ``path`` (open it in ui.perfetto.dev); return it."""
     merged = merge_traces(traces)
-    Path(path).write_text(json.dumps(merged))
+    Path(path).write_text(json.dumps(merged, separators=(",", ":")))
     return merged
