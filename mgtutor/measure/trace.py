@@ -13,8 +13,9 @@ In a rank, around the steps to look at, then in the notebook::
 each collective there, nothing replaced: on gloo an event named after the backend and the
 collective ("gloo:all_reduce" in torch 2.4 to 2.15), from when one of gloo's worker threads began
 it to when it completed, with the tensor's shape. Those are DDP's C++ all-reduces. They are also
-added to the rank's timer as "allreduce" records (:func:`mgtutor.plot_timeline` draws them), and
-the timer's ``step()``/``phase()`` spans are added to the trace.
+added to the rank's timer as "allreduce" records, from the caller's launch (the reducer's call of
+``c10d::allreduce_``) to gloo's completion (:func:`mgtutor.plot_timeline` draws them), and the
+timer's ``step()``/``phase()`` spans are added to the trace.
 
 :func:`write_trace` writes the ranks' traces as one Chrome trace JSON, a process per rank, that
 Perfetto (ui.perfetto.dev) or chrome://tracing opens. The clock: the profiler stamps events in
@@ -27,6 +28,7 @@ within the barrier's last message.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -69,6 +71,9 @@ class Collective:
         start: when the backend began it (on gloo: one of its worker threads).
         end: when it completed on this rank.
         nbytes: the tensors' bytes, from the shapes the profiler recorded (None if unknown).
+        launched: when the caller (DDP's reducer, ``dist.all_reduce``) called the collective's
+            operator, ``c10d::allreduce_`` for an all-reduce (torch 2.4-2.15); None when the
+            trace did not hold one such call per collective.
     """
 
     rank: int
@@ -76,6 +81,7 @@ class Collective:
     start: float
     end: float
     nbytes: int | None
+    launched: float | None = None
 
     @property
     def duration(self) -> float:
@@ -124,7 +130,18 @@ class RankTrace:
                 Collective(c.rank, c.name, k["ts"], k["ts"] + k["dur"], c.nbytes)
                 for c, k in zip(found, sorted(kernels, key=lambda k: k["ts"]))
             ]
-        wanted = [c for c in found if kind is None or c.name == prefix + kind]
+        by_kind: dict[str, list[Collective]] = {}
+        for c in found:
+            by_kind.setdefault(c.name, []).append(c)
+        launched = []
+        for name, group in by_kind.items():
+            # The caller's operator for "gloo:all_reduce" is "c10d::allreduce_". Gloo's threads
+            # take the work in the order it was queued, so the k-th call is the k-th collective.
+            op = "c10d::" + name.split(":", 1)[1].replace("_", "") + "_"
+            calls = sorted(e["ts"] for e in self.events if e.get("ph") == "X" and e["name"] == op)
+            pairs = zip(group, calls) if len(calls) == len(group) else ((c, None) for c in group)
+            launched += [dataclasses.replace(c, launched=t) for c, t in pairs]
+        wanted = [c for c in launched if kind is None or c.name == prefix + kind]
         return sorted(wanted, key=lambda c: c.start)
 
 
@@ -215,7 +232,9 @@ def record_trace(step_timer: StepTimer | None = None) -> Iterator[RankTrace]:
     for c in trace.collectives():
         if c.start < trace.barrier_end:
             continue  # the barrier's own
-        start, end = to_perf(c.start), to_perf(c.end)
+        # From the caller's launch (where the trace holds it) to gloo's completion, as a hook
+        # would time it: time queued for gloo's threads included.
+        start, end = to_perf(c.start if c.launched is None else c.launched), to_perf(c.end)
         name = c.name.split(":", 1)[1].replace("_", "")  # "all_reduce" -> "allreduce"
         step = _step_of(start, steps, step_timer)
         step_timer.add(PhaseRecord(name, step, start, end, nbytes=c.nbytes))

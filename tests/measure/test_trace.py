@@ -60,6 +60,8 @@ def test_trace_holds_the_collectives_and_the_timers_phases(traced) -> None:
     reduces = trace.collectives("all_reduce")
     assert len(reduces) == 1 + 3 * (STEPS - 1)
     assert all(c.name == "gloo:all_reduce" and c.end > c.start for c in reduces)
+    # Each paired with the reducer's call that launched it, which came first.
+    assert all(c.launched is not None and c.launched <= c.start for c in reduces)
     phases = [e for e in trace.events if e.get("cat") == "mgtutor"]
     assert sorted({e["name"] for e in phases}) == ["backward", "forward", "step"]
     assert sum(e["name"] == "step" for e in phases) == STEPS
