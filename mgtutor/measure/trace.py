@@ -74,6 +74,7 @@ class Collective:
         launched: when the caller (DDP's reducer, ``dist.all_reduce``) called the collective's
             operator, ``c10d::allreduce_`` for an all-reduce (torch 2.4-2.15); None when the
             trace did not hold one such call per collective.
+        numel: the elements of its (first) tensor, from the recorded shape.
     """
 
     rank: int
@@ -82,6 +83,7 @@ class Collective:
     end: float
     nbytes: int | None
     launched: float | None = None
+    numel: int | None = None
 
     @property
     def duration(self) -> float:
@@ -115,7 +117,8 @@ class RankTrace:
         """
         prefix = f"{self.backend}:"
         found = [
-            Collective(self.rank, e["name"], e["ts"], e["ts"] + e["dur"], _nbytes(e))
+            Collective(self.rank, e["name"], e["ts"], e["ts"] + e["dur"], _nbytes(e), None,
+                       _numel(e))  # fmt: skip
             for e in sorted(self.events, key=lambda e: e.get("ts", 0))
             if e.get("ph") == "X"
             and e.get("cat") == "user_annotation"
@@ -127,7 +130,7 @@ class RankTrace:
         if kernels and len(kernels) == len(found):
             # NCCL: the CPU event is only the launch; its kernel ran later on the GPU, in order.
             found = [
-                Collective(c.rank, c.name, k["ts"], k["ts"] + k["dur"], c.nbytes)
+                dataclasses.replace(c, start=k["ts"], end=k["ts"] + k["dur"])
                 for c, k in zip(found, sorted(kernels, key=lambda k: k["ts"]))
             ]
         by_kind: dict[str, list[Collective]] = {}
@@ -135,22 +138,43 @@ class RankTrace:
             by_kind.setdefault(c.name, []).append(c)
         launched = []
         for name, group in by_kind.items():
-            # The caller's operator for "gloo:all_reduce" is "c10d::allreduce_". Gloo's threads
-            # take the work in the order it was queued, so the k-th call is the k-th collective.
+            # The caller's operator for "gloo:all_reduce" is "c10d::allreduce_".
             op = "c10d::" + name.split(":", 1)[1].replace("_", "") + "_"
-            calls = sorted(e["ts"] for e in self.events if e.get("ph") == "X" and e["name"] == op)
-            pairs = zip(group, calls) if len(calls) == len(group) else ((c, None) for c in group)
-            launched += [dataclasses.replace(c, launched=t) for c, t in pairs]
+            calls = [e for e in self.events if e.get("ph") == "X" and e["name"] == op]
+            launched += _pair_launches(group, sorted(calls, key=lambda e: e["ts"]))
         wanted = [c for c in launched if kind is None or c.name == prefix + kind]
         return sorted(wanted, key=lambda c: c.start)
 
 
+def _pair_launches(group: list[Collective], calls: list[dict[str, Any]]) -> list[Collective]:
+    """Each collective with the call that launched it: in call order, the first to begin after
+    the call with the same number of elements. Gloo's threads take work in the order it was
+    queued, but two threads can note their beginnings in either order; sizes tell them apart."""
+    if len(calls) != len(group):
+        return group
+    free = sorted(group, key=lambda c: c.start)
+    paired = []
+    for call in calls:
+        dims = call.get("args", {}).get("Input Dims") or [[[]]]
+        numel = math.prod(dims[0][0]) if dims[0] and isinstance(dims[0][0], list) else None
+        match = next((c for c in free if c.start >= call["ts"] and c.numel == numel), None)
+        if match is None:
+            return group  # not the calls these collectives came from: leave them unpaired
+        free.remove(match)
+        paired.append(dataclasses.replace(match, launched=call["ts"]))
+    return paired
+
+
+def _numel(event: dict[str, Any]) -> int | None:
+    dims = event.get("args", {}).get("Input Dims")
+    return math.prod(dims[0]) if dims else None
+
+
 def _nbytes(event: dict[str, Any]) -> int | None:
-    args = event.get("args", {})
-    dims, types = args.get("Input Dims"), args.get("Input type")
-    if not dims or not types or types[0] not in _ELEMENT_BYTES:
+    types, numel = event.get("args", {}).get("Input type"), _numel(event)
+    if numel is None or not types or types[0] not in _ELEMENT_BYTES:
         return None
-    return math.prod(dims[0]) * _ELEMENT_BYTES[types[0]]
+    return numel * _ELEMENT_BYTES[types[0]]
 
 
 def _unix_minus_perf() -> float:

@@ -83,10 +83,13 @@ def test_merged_file_has_a_track_per_rank_on_one_clock(traced, tmp_path) -> None
         for rank in (0, 1)
     }
     assert len(reduces[0]) == len(reduces[1]) == 1 + 3 * (STEPS - 1)
-    for pair in zip(reduces[0], reduces[1]):
-        # No rank can finish an all-reduce before every rank has begun it: on one clock the
-        # latest start comes before the earliest end.
-        assert max(e["ts"] for e in pair) < min(e["ts"] + e["dur"] for e in pair)
+    # A rank completes its k-th all-reduce only once every rank has begun k of them (gloo's two
+    # threads may run two at once, in either order): on one clock, each rank's k-th earliest
+    # beginning comes before the other's k-th earliest end.
+    begins = [sorted(e["ts"] for e in reduces[rank]) for rank in (0, 1)]
+    ends = [sorted(e["ts"] + e["dur"] for e in reduces[rank]) for rank in (0, 1)]
+    assert all(b < e for b, e in zip(begins[0], ends[1]))
+    assert all(b < e for b, e in zip(begins[1], ends[0]))
     barriers = [e for e in events if e.get("name") == BARRIER]
     # Unix µs as floats: a quarter µs apart at most (float64 at 1.8e15)
     assert len(barriers) == 2
@@ -117,3 +120,19 @@ def test_nccl_collectives_are_timed_by_their_kernels() -> None:
     ]  # fmt: skip
     found = RankTrace(0, "h", "nccl", 0.0, events).collectives("all_reduce")
     assert [(c.start, c.end, c.nbytes) for c in found] == [(150.0, 190.0, 512), (260.0, 300.0, 512)]
+
+
+def test_launches_pair_with_their_collectives_by_size_when_gloo_threads_swap_them() -> None:
+    # Two buckets queued back to back; gloo's second thread noted its beginning first.
+    def gloo(ts: float, numel: int) -> dict:
+        args = {"Input Dims": [[numel]], "Input type": ["float"]}
+        return {"ph": "X", "cat": "user_annotation", "name": "gloo:all_reduce", "ts": ts,
+                "dur": 10.0, "args": args}  # fmt: skip
+
+    def call(ts: float, numel: int) -> dict:
+        return {"ph": "X", "cat": "cpu_op", "name": "c10d::allreduce_", "ts": ts, "dur": 1.0,
+                "args": {"Input Dims": [[[numel]], [], []]}}  # fmt: skip
+
+    events = [call(100.0, 256), call(101.0, 1024), gloo(103.0, 256), gloo(102.0, 1024)]
+    found = RankTrace(0, "h", "gloo", 0.0, events).collectives("all_reduce")
+    assert [(c.nbytes, c.launched) for c in found] == [(4096, 101.0), (1024, 100.0)]
