@@ -194,7 +194,8 @@ def record_trace(step_timer: StepTimer | None = None) -> Iterator[RankTrace]:
 
     Every rank must enter it (it starts with a barrier, the zero of :func:`write_trace`'s
     clock). The process group's collectives in the block become "allreduce" (and other)
-    records of ``step_timer`` (the default timer if None), numbered by the step they began in;
+    records of ``step_timer`` (the default timer if None), numbered by the step they were
+    launched in;
     the timer's own records of the block are added to the trace.
 
     Args:
@@ -206,7 +207,7 @@ def record_trace(step_timer: StepTimer | None = None) -> Iterator[RankTrace]:
     Example:
         >>> with record_trace() as trace:  # inside a launched fn
         ...     model(x).sum().backward()
-        >>> [c.name for c in trace.collectives()]
+        >>> [c.name for c in trace.collectives("all_reduce")]
         ['gloo:all_reduce']
     """
     import torch
