@@ -19,7 +19,9 @@ from the layers below it (``tests/test_layout.py`` checks it), top first:
 * :mod:`mgtutor.doctor`: what the ranks' records of their collectives (torch's Flight
   Recorder) say went wrong in a hang; :func:`~mgtutor.doctor.find_drift`, replicas that differ.
 * :mod:`mgtutor.measure`: what a rank measures and how it is shown: :mod:`~.measure.timing`
-  (:func:`phase`, :func:`step`, :class:`StepTimer`), :mod:`~.measure.memory` (what the
+  (:func:`phase`, :func:`step`, :class:`StepTimer`), :mod:`~.measure.trace` (torch's profiler
+  in each rank, DDP's own all-reduces among its events: :func:`record_trace`, one file for all
+  ranks: :func:`write_trace`), :mod:`~.measure.memory` (what the
   per-rank memory figures count), :mod:`~.measure.breakdown` (each rank's memory by category),
   :mod:`~.measure.activations` (the bytes a forward and backward keep alive),
   :mod:`~.measure.traffic` (each step's collectives counted in the ranks, and torch's own),
@@ -72,6 +74,7 @@ from mgtutor.measure.plots import (
     plot_timeline,
 )
 from mgtutor.measure.timing import PhaseRecord, StepTimer, phase, step, timer
+from mgtutor.measure.trace import record_trace, write_trace
 from mgtutor.plan.memplan import MemoryBreakdown
 from mgtutor.rank.progress import progress
 from mgtutor.worker import backend_for, get_contract, setup, teardown
@@ -104,6 +107,7 @@ __all__ = [
     "plot_step_times",
     "plot_timeline",
     "progress",
+    "record_trace",
     "reduce_mean",
     "reduce_sums",
     "save_checkpoint",
@@ -113,6 +117,7 @@ __all__ = [
     "teardown",
     "timer",
     "track",
+    "write_trace",
 ]
 
 

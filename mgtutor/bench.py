@@ -42,12 +42,18 @@ _TARGET_BYTES_PER_SIZE = 256 * 1024 * 1024  # enough repetitions to time small s
 
 @dataclass(frozen=True)
 class BandwidthPoint:
-    """One message size's measurement (bytes, seconds, bytes per second)."""
+    """One message size's measurement (bytes, seconds, bytes per second).
+
+    ``profiled``: with ``measure_allreduce(..., profile=True)``, the same all-reduces as torch's
+    profiler timed them (the process group's own events, :func:`mgtutor.record_trace`): the
+    slowest rank's mean, in seconds; otherwise None.
+    """
 
     size: int
     seconds: float
     algbw: float
     busbw: float
+    profiled: float | None = None
 
 
 @dataclass(frozen=True)
@@ -102,12 +108,15 @@ def _barrier(device: torch.device) -> None:
         dist.barrier()
 
 
-def _sweep(sizes: list[int], warmup: int) -> dict[str, Any]:
+def _sweep(sizes: list[int], warmup: int, profile: bool = False) -> dict[str, Any]:
     """One rank's side of :func:`measure_allreduce`: time every size, then (rank 0) the copy."""
+    import contextlib
+
     import torch
     import torch.distributed as dist
 
     import mgtutor
+    from mgtutor.measure.timing import StepTimer
 
     device = mgtutor.setup()
     world = dist.get_world_size()
@@ -124,20 +133,29 @@ def _sweep(sizes: list[int], warmup: int) -> dict[str, Any]:
         for _ in range(warmup):
             dist.all_reduce(tensor)
         iterations = _iterations(size)
-        _barrier(device)
-        sync()
-        start = time.perf_counter()
-        for _ in range(iterations):
-            dist.all_reduce(tensor)
-        sync()
+        # record_trace starts with a barrier; without it, so does the timed loop.
+        recording = mgtutor.record_trace(StepTimer("cpu")) if profile else None
+        with recording or contextlib.nullcontext() as trace:
+            if trace is None:
+                _barrier(device)
+            sync()
+            start = time.perf_counter()
+            for _ in range(iterations):
+                dist.all_reduce(tensor)
+            sync()
+            elapsed = time.perf_counter() - start
         # On the rank's device: NCCL reduces CUDA tensors only.
-        mean = torch.tensor(
-            [(time.perf_counter() - start) / iterations], dtype=torch.float64, device=device
-        )
+        means = [elapsed / iterations]
+        if trace is not None:
+            spans = [c.duration for c in trace.collectives("all_reduce")][-iterations:]
+            means.append(sum(spans) / len(spans))
+        mean = torch.tensor(means, dtype=torch.float64, device=device)
         dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-        seconds = mean.item()
+        seconds, *profiled = mean.tolist()
         algbw = size / seconds
-        points.append(BandwidthPoint(size, seconds, algbw, algbw * 2 * (world - 1) / world))
+        points.append(
+            BandwidthPoint(size, seconds, algbw, algbw * 2 * (world - 1) / world, *profiled)
+        )
 
     copy_bandwidth = _copy_bandwidth(sizes[-1], device) if dist.get_rank() == 0 else None
     # The other ranks wait here, idle, instead of exiting while rank 0 copies: their exit
@@ -195,6 +213,7 @@ def measure_allreduce(
     *,
     backend: str | None = None,
     warmup: int = 3,
+    profile: bool = False,
 ) -> BandwidthResult:
     """Time all-reduce over ``sizes`` on ``world_size`` ranks, and a memory copy as reference.
 
@@ -206,6 +225,8 @@ def measure_allreduce(
         sizes: message sizes in bytes (multiples of 4: the messages are float32 tensors).
         backend: "gloo" or "nccl"; by default what :func:`mgtutor.setup` picks.
         warmup: untimed all-reduces per size before timing.
+        profile: also time the same all-reduces with torch's profiler (each point's
+            ``profiled``): a second clock on the same calls, to check the first against.
 
     Returns:
         The :class:`BandwidthResult`.
@@ -222,7 +243,7 @@ def measure_allreduce(
     sizes = sorted(int(s) for s in sizes)
     if not sizes or any(s <= 0 or s % 4 for s in sizes):
         raise ValueError(f"sizes must be positive multiples of 4 bytes, got {sizes}")
-    run = mgtutor.launch(_sweep, sizes, warmup, world_size=world_size, backend=backend)
+    run = mgtutor.launch(_sweep, sizes, warmup, profile, world_size=world_size, backend=backend)
     sweep = run.results[0]
     return BandwidthResult(
         points=sweep["points"],

@@ -209,7 +209,7 @@ def plot_step_times(run: Run, *, scale_warmup: bool = False) -> Figure:
 
     The warm-up steps (:attr:`mgtutor.Run.warmup_steps`: a first GPU step can take 300 times
     a later one) are shaded and drawn, but the time axis is scaled to the steps after them; a
-    warm-up point above the axis is drawn at its top edge, its time written beside it.
+    warm-up point above the axis is drawn at its top edge, one label listing their times.
 
     Args:
         run: what :func:`mgtutor.launch` returned.
@@ -240,10 +240,12 @@ def plot_step_times(run: Run, *, scale_warmup: bool = False) -> Figure:
             if t > top:  # off the scale: a hollow marker on the top edge
                 ax.plot(step, top, marker="^", mfc="none", color=line.get_color(), clip_on=False)
                 off_scale[step] = max(t, off_scale.get(step, 0.0))
-    for step, t in off_scale.items():  # the slowest rank's time, once per step
-        ax.annotate(
-            f"{t:.0f} ms", (step, top), xytext=(6, -10), textcoords="offset points", fontsize=7
-        )
+    if off_scale:  # the slowest rank's time per step, in one label: neighbours' would overlap
+        ordered = sorted(off_scale.items())  # a step may go off the scale on rank 1 only
+        lines = ["above the axis:"] + [f"step {s}: {t:.0f} ms" for s, t in ordered]
+        box = {"facecolor": "white", "edgecolor": "#999", "alpha": 0.9}
+        ax.annotate("\n".join(lines), (max(off_scale), top), (8, -4), "data", "offset points",
+                    va="top", fontsize=7, bbox=box)  # fmt: skip
     if warmup:
         ax.axvspan(-0.5, warmup - 0.5, color="#dddddd", zorder=0, label="warm-up")
     ax.set_xlabel("step")
@@ -253,7 +255,8 @@ def plot_step_times(run: Run, *, scale_warmup: bool = False) -> Figure:
     if warmup and not scale_warmup:
         title += f" (axis scaled to the steps after {warmup} warm-up step{'s' * (warmup > 1)})"
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    # Outside the axes, on the right: inside, "best" may sit on the label of the off-scale steps.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     return fig
 
 

@@ -27,10 +27,13 @@ How times are taken:
   ``perf_counter()``. Exact wall time per phase, but it stops the CPU from running ahead of the
   GPU, which changes what is measured (and hides DDP's overlap of all-reduce with backward).
 
-The gradient all-reduce runs inside ``loss.backward()`` under DDP, overlapped with it. To see it
-as its own bars, call :meth:`StepTimer.watch_allreduce` on the DDP model: a communication hook
-then records one "allreduce" interval per gradient bucket, from launch to completion, and
-:meth:`StepTimer.watch_gradients` records the moment each parameter's gradient was written.
+The gradient all-reduce runs inside ``loss.backward()`` under DDP, overlapped with it. To see
+DDP's own all-reduces as bars, run the steps inside :func:`mgtutor.record_trace`: torch's
+profiler records each one as the process group ran it and adds it here as an "allreduce" record.
+:meth:`StepTimer.watch_allreduce` is another view: it *replaces* DDP's built-in C++ all-reduce
+with a Python communication hook that does the same arithmetic and times itself, so it times the
+hook, not DDP's own all-reduce. :meth:`StepTimer.watch_gradients` records the moment each
+parameter's gradient was written.
 """
 
 from __future__ import annotations
@@ -126,6 +129,7 @@ class StepTimer:
         self._cuda = self.device.startswith("cuda")
         self._clock = _CudaClock(self.device) if self._cuda and not sync else None
         self._pending: list[tuple[str, int, Any, Any, int | None, int | None]] = []
+        self._added: list[PhaseRecord] = []
         self._step = 0
         _registry.append(self)
 
@@ -172,12 +176,14 @@ class StepTimer:
             self._pending.append((name, self._step, start, self._now(), samples, None))
 
     def watch_allreduce(self, ddp_model: Any) -> None:
-        """Record each gradient bucket's all-reduce of a DDP model as an "allreduce" phase.
+        """Replace DDP's all-reduce with a Python hook that times itself as "allreduce" records.
 
-        Registers a communication hook that does what DDP's default hook does (divide the
-        bucket by the world size, then all-reduce it) and notes when each all-reduce was
+        Registers a communication hook that does what DDP's built-in C++ all-reduce does (divide
+        the bucket by the world size, then all-reduce it) and notes when each all-reduce was
         launched and when it completed. On CPU the completion time is taken when gloo finishes;
-        on CUDA it is a CUDA event recorded once the result is ready on the stream.
+        on CUDA it is a CUDA event recorded once the result is ready on the stream. What it
+        times is the hook's all-reduce (Python, the GIL, a future's callback), not DDP's own:
+        for that, :func:`mgtutor.record_trace`.
 
         Args:
             ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` model without a hook yet.
@@ -230,8 +236,21 @@ class StepTimer:
         nbytes = parameter.numel() * parameter.element_size()
         self._pending.append(("gradient", self._step, now, now, None, nbytes))
 
+    @property
+    def steps_done(self) -> int:
+        """How many steps this timer has timed: the next step's number."""
+        return self._step
+
+    def add(self, record: PhaseRecord) -> None:
+        """Keep a record measured elsewhere (:func:`mgtutor.record_trace`'s collectives).
+
+        Args:
+            record: times on this timer's axis (``perf_counter`` seconds).
+        """
+        self._added.append(record)
+
     def records(self) -> list[PhaseRecord]:
-        """All intervals recorded so far, in the order they ended."""
+        """All intervals recorded so far: timed ones in the order they ended, then added ones."""
         if self._clock is not None:
             import torch
 
@@ -242,10 +261,11 @@ class StepTimer:
             def resolve(mark: Any) -> float:
                 return float(mark)
 
-        return [
+        timed = [
             PhaseRecord(name, step_index, resolve(start), resolve(end), samples, nbytes)
             for name, step_index, start, end, samples, nbytes in self._pending
         ]
+        return timed + self._added
 
 
 _registry: list[StepTimer] = []
@@ -280,4 +300,5 @@ def collect_records(clear: bool = False) -> list[PhaseRecord]:
         out.extend(t.records())
         if clear:
             t._pending.clear()
+            t._added.clear()
     return out

@@ -220,3 +220,26 @@ def test_plot_timeline_shows_the_last_steps_by_default_and_says_so() -> None:
     every = mgtutor.plot_timeline(run, steps=slice(None)).axes[0]
     assert every.get_title().endswith("all 50 steps")
     assert all(len(c.get_paths()) == 50 for c in every.collections)
+
+
+def test_off_scale_warmup_labels_do_not_overlap() -> None:
+    # 00's run: 64 steps, the first two far slower than the rest, neighbours on a 7-inch axis.
+    timings = []
+    for s, seconds in enumerate([1.2, 0.6] + [0.01] * 62):
+        start = sum([1.2, 0.6] + [0.01] * 62)  # any start; only durations are drawn
+        timings.append(PhaseRecord("step", s, start, start + seconds, samples=32))
+    memory = MemoryStats(device="cpu", rss_at_start=1, peak_rss=2)
+    run = Run(1, [RankResult(0, 1, "cpu", "gloo", 1.0, memory, None, timings)], 2.0)
+    assert run.warmup_steps == 2
+    fig = mgtutor.plot_step_times(run)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    labels = [t for t in ax.texts if "ms" in t.get_text()]
+    text = " ".join(t.get_text() for t in labels)
+    assert "1200 ms" in text and "600 ms" in text, "each off-scale step's time is written"
+    boxes = [t.get_window_extent(renderer) for t in labels]
+    boxes.append(ax.get_legend().get_window_extent(renderer))
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), f"labels overlap: {a} and {b}"
