@@ -89,7 +89,14 @@ def test_timeout_does_not_count_start_up_and_start_timeout_limits_it(start_metho
     limit = 2 if start_method == "forkserver" else 20
     with pytest.raises(mgtutor.WorkerTimeout, match=f"after start_timeout={limit} s") as info:
         mgtutor.launch(lambda arg: "ran", SlowToUnpickle(60), world_size=2, start_timeout=limit)
-    assert "cloudpickle.loads(call.payload)" in info.value.stacks[0]
+    stack = info.value.stacks[0]
+    if start_method == "spawn" and "cloudpickle.loads(call.payload)" not in stack:
+        # On a loaded machine a spawned rank can still be importing torch after 20 s (seen at a
+        # load of 18 on 2 cores): start_timeout stopped the start-up all the same. The forkserver
+        # variant, whose ranks have torch already, checks that it stops the unpickling too.
+        assert "import" in stack, stack
+    else:
+        assert "cloudpickle.loads(call.payload)" in stack
     assert "pass a larger start_timeout" in str(info.value)
 
 
