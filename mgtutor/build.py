@@ -174,13 +174,17 @@ def _rank_start_method(os: str, start_methods: tuple[str, ...]) -> str:
 def rank_start_method() -> str:
     """How mgtutor starts ranks by default: "forkserver" on Linux, "spawn" on macOS.
 
-    mgtutor's forkserver imports torch once and forks every rank from it. On macOS a fork
-    child aborts when it initialises an Objective-C class if its parent ever had a second
-    thread (objc4's fork-safety check, ``objc-initialize.mm``; ``pthread_is_threaded_np`` stays
-    true once a thread existed), and importing torch can start one (numpy's OpenBLAS pool, on
-    the numpy wheels for macOS before 14) while loading Foundation and Metal: the abort
-    Lightning's fork-based DDP met on macOS (Lightning-AI/pytorch-lightning#21345). A spawned
-    rank is a fresh interpreter that forks from nothing. Read without importing torch.
+    mgtutor's forkserver imports torch once and forks every rank from it. On macOS a fork child
+    of a process that had a second thread when it forked aborts the first time it initialises
+    an Objective-C class with a ``+initialize`` of its own (objc4: ``_objc_atfork_prepare`` in
+    ``runtime/objc-os.mm`` records ``pthread_is_threaded_np()``, true once any thread was ever
+    started; ``performForkChildInitialize`` in ``runtime/objc-initialize.mm`` then halts). And
+    importing torch starts threads: it loads numpy (where installed), whose OpenBLAS starts a
+    pool of one thread per core beyond the first when the library loads (``gotoblas_init``
+    calls ``blas_thread_init``, OpenMathLib/OpenBLAS ``driver/others/memory.c``); numpy's wheels
+    for macOS before 14 bundle OpenBLAS, later ones use Accelerate. Notebook 00 counts those
+    threads on Linux. A spawned rank is a fresh interpreter that forks from nothing. Read
+    without importing torch.
     """
     return _rank_start_method(platform.system(), tuple(multiprocessing.get_all_start_methods()))
 

@@ -26,7 +26,7 @@ from mgtutor.hardware import RankPlace, agree_on_backend
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["backend_for", "get_contract", "setup", "teardown", "WorkerContract"]
+__all__ = ["backend_for", "get_contract", "setup", "share_cores", "teardown", "WorkerContract"]
 
 BACKENDS = ("gloo", "nccl")
 
@@ -185,6 +185,30 @@ def _threads_per_rank(contract: WorkerContract) -> int:
     if contract.source == "slurm" and per_task.isdigit() and cores <= int(per_task):
         return cores
     return max(1, cores // contract.local_world_size)
+
+
+def share_cores() -> int:
+    """Give this rank's torch its CPU threads: ``OMP_NUM_THREADS`` where set, else its share.
+
+    torchrun sets ``OMP_NUM_THREADS=1`` for each of several workers; without a limit every rank
+    would start a thread per core, and ranks sharing the cores fight over them. mgtutor's
+    launcher calls this in every rank before fn runs, so a function that joins the group with a
+    plain ``init_process_group`` gets the same share as one calling :func:`setup`. The variable
+    is applied here, not only read at import: a forkserver rank's torch was imported by the
+    server, before the notebook may have set it.
+
+    Returns:
+        The number of threads set.
+    """
+    import torch
+
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        count = int(threads)
+    else:
+        count = _threads_per_rank(get_contract())
+    torch.set_num_threads(count)
+    return count
 
 
 def setup(

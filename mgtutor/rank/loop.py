@@ -32,7 +32,14 @@ from mgtutor.rank.children import live_children
 from mgtutor.rank.messages import Call, Context, Done, Exit, Failed, Hello, Ready
 from mgtutor.rank.pickling import dumps_on_cpu, fails
 from mgtutor.rank.result import why_unsendable
-from mgtutor.worker import current_backend, current_device, guard_destroy, setup, teardown
+from mgtutor.worker import (
+    current_backend,
+    current_device,
+    guard_destroy,
+    setup,
+    share_cores,
+    teardown,
+)
 
 
 @dataclass
@@ -221,12 +228,6 @@ def _apply_context(context: Context, own: dict[str, str | None]) -> None:
             dist.set_debug_level_from_env()
         except (RuntimeError, ValueError):
             pass  # an invalid value: torch's own error comes when the group is made
-    torch = sys.modules.get("torch")
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if torch is not None and threads.isdigit() and int(threads) > 0:
-        # torch read OMP_NUM_THREADS when the forkserver imported it, maybe before the
-        # notebook set it: apply the notebook's value now.
-        torch.set_num_threads(int(threads))
 
 
 def _tracked_breakdown() -> Any:
@@ -365,6 +366,7 @@ def rank_main(spec: RankSpec) -> None:
     messages = _messages(spec.conn)
     channel.send(Hello(os.getpid(), threading.main_thread().ident or 0))
     _apply_context(spec.context, spec.env)
+    share_cores()  # as torchrun's OMP_NUM_THREADS=1 does, whether or not fn calls setup()
     guard_destroy()
     _start_doctor()
     if spec.join_group:

@@ -425,6 +425,21 @@ def test_plain_init_process_group_joins_like_a_torchrun_worker() -> None:
     assert mgtutor.launch(work, world_size=2).results == [3.0, 3.0]
 
 
+def test_every_rank_gets_its_share_of_the_cores_without_calling_setup(monkeypatch) -> None:
+    # torchrun gives each of several workers OMP_NUM_THREADS=1; mgtutor gives each rank its
+    # share of the cores, also when fn never calls setup() (a plain init_process_group, or none).
+    from mgtutor.hardware import usable_cores
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    def threads() -> int:
+        import torch
+
+        return torch.get_num_threads()
+
+    assert mgtutor.launch(threads, world_size=2).results == [max(1, usable_cores() // 2)] * 2
+
+
 def test_ranks_see_the_notebooks_current_environment_folder_and_path(tmp_path, monkeypatch) -> None:
     # A forkserver was started earlier, with the environment of that moment; what a cell
     # changes afterwards must reach the ranks exactly as with spawn.
