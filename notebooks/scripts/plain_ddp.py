@@ -73,12 +73,14 @@ def main(local_rank, world_size):
         )
     else:
         device = torch.device("cpu")
+        pin_gloo_to_loopback()
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(minutes=10)
         )
 
     if rank == 0:
-        print(f"backend {dist.get_backend()}, rank 0 on {device}", flush=True)
+        interface = "" if use_gpus else f", gloo on {os.environ.get('GLOO_SOCKET_IFNAME')}"
+        print(f"backend {dist.get_backend()}, rank 0 on {device}{interface}", flush=True)
 
     torch.manual_seed(0)  # DDP copies rank 0's weights to every rank anyway
     model = DDP(small_cnn().to(device), device_ids=[local_rank] if use_gpus else None)
@@ -103,13 +105,29 @@ def main(local_rank, world_size):
         if rank == 0:
             print(f"epoch {epoch}: mean training loss {totals[0] / totals[1]:.6f}", flush=True)
 
-    # Free DDP before destroying the group it holds. DDP sits in a reference cycle, so `del`
-    # alone leaves it for the interpreter's exit, where torch 2.14.1's gloo group then aborted
-    # the process ("terminate called without an active exception", cf. pytorch#190489): 6 of 42
-    # runs here, 4 of 24 with `del` alone, 0 of 50 with both lines.
+    # Free DDP (its reducer holds the process group), collected now rather than whenever the
+    # garbage collector runs, then destroy the group, on every rank, before the process exits.
+    # Left to the interpreter's exit, torch 2.14.1's gloo group aborted workers here ("terminate
+    # called without an active exception", cf. pytorch#190489).
     del model, optimizer
     gc.collect()
     dist.destroy_process_group()
+
+
+def pin_gloo_to_loopback():
+    # Unless told (GLOO_SOCKET_IFNAME), gloo binds to the address this machine's hostname
+    # resolves to, and to loopback only when it resolves to none (createDefaultDevice in torch's
+    # ProcessGroupGloo.hpp): a network address, which a firewall or a down link can keep the
+    # other ranks from reaching. With every rank on this machine, loopback is enough: "lo" on
+    # Linux, "lo0" on macOS. Across machines, set GLOO_SOCKET_IFNAME to the network's interface.
+    if "GLOO_SOCKET_IFNAME" in os.environ:
+        return
+    if os.environ.get("MASTER_ADDR") not in ("127.0.0.1", "localhost"):
+        return
+    names = [name for _, name in socket.if_nameindex()]
+    loopback = next((name for name in ("lo", "lo0") if name in names), None)
+    if loopback is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
 
 
 def free_port():
