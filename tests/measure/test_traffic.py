@@ -42,21 +42,24 @@ def _gloo_entries() -> list[tuple[str, int]]:
 
 
 def _written_by_collectives() -> dict[str, int | None]:
-    """Bytes this rank wrote around an all-reduce and a reduce-scatter of one 32 KiB buffer."""
+    """Bytes this rank wrote to its sockets around an all-reduce and a reduce-scatter of one
+    32 KiB buffer, each with 4 KiB printed beside it (and torch 2.14's reduce_scatter_tensor
+    warns): SocketWrites must leave what was printed out."""
+    import sys
+
     import torch.distributed as dist
 
     out = {}
     for name in ("all_reduce", "reduce_scatter"):
         buffer = torch.ones(8192)  # float32, as the recorder's entries below are read
-        before = traffic.bytes_written()
-        if name == "all_reduce":
-            dist.all_reduce(buffer)
-        else:
-            # reduce_scatter_single from torch 2.14, whose reduce_scatter_tensor warns (a write)
-            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            scatter(torch.empty(4096), buffer)
-        after = traffic.bytes_written()
-        out[name] = None if before is None else after - before
+        with traffic.SocketWrites() as written:
+            print("." * 2047)
+            print("." * 2047, file=sys.stderr)
+            if name == "all_reduce":
+                dist.all_reduce(buffer)
+            else:
+                dist.reduce_scatter_tensor(torch.empty(4096), buffer)
+        out[name] = written.nbytes
     return out
 
 
