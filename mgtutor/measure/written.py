@@ -32,9 +32,10 @@ class SocketWrites:
     """Bytes this process wrote inside the block, less what it printed: ``nbytes`` after it.
 
     Inside the block file descriptors 1 and 2 point to temporary files (so C++ warnings are
-    caught too); their bytes are subtracted from ``wchar``'s growth and then written to the real
-    stdout and stderr, after the count. ``nbytes`` is None where there is no ``/proc/self/io``
-    (macOS, Windows). What is left is the sockets', and any other file's, writes.
+    caught too), and ``sys.stdout`` and ``sys.stderr`` write to them; their bytes are subtracted
+    from ``wchar``'s growth and then written to the streams they replaced, after the count.
+    ``nbytes`` is None where there is no ``/proc/self/io`` (macOS, Windows). What is left is the
+    sockets', and any other file's, writes.
 
     Example:
         >>> with SocketWrites() as written:
@@ -47,6 +48,7 @@ class SocketWrites:
         self._start: int | None = None
         self._saved: list[int] = []
         self._files: list[IO[bytes]] = []
+        self._streams: tuple[Any, Any] = (None, None)
 
     def __enter__(self) -> SocketWrites:
         _flush()
@@ -56,13 +58,21 @@ class SocketWrites:
             self._saved = [os.dup(fd) for fd in (1, 2)]
             for fd, file in zip((1, 2), self._files):
                 os.dup2(file.fileno(), fd)
+            # Python's streams onto those descriptors too: a notebook's or pytest's write elsewhere
+            self._streams = (sys.stdout, sys.stderr)
+            sys.stdout, sys.stderr = (
+                open(fd, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+                for fd in (1, 2)
+            )
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self._start is None:
             return
-        _flush()
+        for stream in (sys.stdout, sys.stderr):
+            stream.close()  # flushed; the descriptors stay open
         end = bytes_written()
+        sys.stdout, sys.stderr = self._streams
         printed = []
         for fd, saved, file in zip((1, 2), self._saved, self._files):
             os.dup2(saved, fd)
@@ -72,9 +82,10 @@ class SocketWrites:
             file.close()
         assert end is not None
         self.nbytes = end - self._start - sum(len(text) for text in printed)
-        for fd, text in zip((1, 2), printed):  # after the count: shown, not counted
-            while text:
-                text = text[os.write(fd, text) :]
+        for stream, text in zip(self._streams, printed):  # after the count: shown, not counted
+            if text and stream is not None:
+                stream.write(text.decode("utf-8", errors="backslashreplace"))
+                stream.flush()
 
 
 def _flush() -> None:

@@ -235,3 +235,27 @@ def test_bytes_written_is_none_without_proc(monkeypatch) -> None:
 
     monkeypatch.setattr(builtins, "open", no_proc)
     assert traffic.bytes_written() is None
+
+
+def test_socket_writes_leaves_out_what_is_printed_and_relays_it(capfd) -> None:
+    import os
+    import sys
+
+    if traffic.bytes_written() is None:
+        pytest.skip("no /proc/self/io here: SocketWrites.nbytes is None off Linux")
+    with traffic.SocketWrites() as written:
+        print("o" * 4999)
+        os.write(2, b"e" * 3000)  # below Python, as a C++ warning writes
+    assert written.nbytes == 0  # no socket here: nothing but what was printed
+    out, err = capfd.readouterr()
+    assert out == "o" * 4999 + "\n" and err == "e" * 3000
+    assert sys.stdout is not None
+
+
+def test_socket_writes_is_none_without_proc(monkeypatch) -> None:
+    from mgtutor.measure import written
+
+    monkeypatch.setattr(written, "bytes_written", lambda: None)
+    with traffic.SocketWrites() as socket_writes:
+        pass
+    assert socket_writes.nbytes is None
