@@ -50,11 +50,13 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mgtutor.measure.written import SocketWrites, bytes_written
 from mgtutor.parallel.tensor import Block
 from mgtutor.plan.planner import Collective, Transformer
 
 __all__ = [
     "Call",
+    "SocketWrites",
     "build",
     "bytes_written",
     "count_steps",
@@ -196,19 +198,6 @@ def totals(collectives: Iterable[Collective]) -> dict[str, tuple[int, int, int]]
         calls, buffers, sent = out.get(c.name, (0, 0, 0))
         out[c.name] = (calls + c.calls, buffers + c.calls * c.buffer_bytes, sent + c.sent_bytes)
     return out
-
-
-def bytes_written() -> int | None:
-    """Bytes this process (all threads) has passed to write system calls: ``wchar`` in Linux's
-    ``/proc/self/io``; None elsewhere. gloo's TCP transport writes each message it sends, so
-    across a collective the difference is what this rank sent, plus a few hundred bytes of
-    headers per message (32 KiB all-reduced on 2 gloo ranks: 33,344 bytes)."""
-    try:
-        with open("/proc/self/io", encoding="ascii") as io:
-            fields = dict(line.split(": ", 1) for line in io.read().splitlines() if ": " in line)
-    except OSError:
-        return None
-    return int(fields["wchar"]) if "wchar" in fields else None
 
 
 def _require_shapes(model: Transformer) -> None:

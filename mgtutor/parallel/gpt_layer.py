@@ -77,8 +77,9 @@ class GPTLayer(nn.Module):
         mask: "bool" (``torch.native_dropout``: a 1-byte mask) or "float"
             (``torch.nn.functional.dropout``: on CPU a mask of the input's dtype).
         rng: the tracked random state the attention's dropout draws from (Megatron-LM's
-            ``fork()``); None draws every mask from the default generator. Not with
-            recomputation: torch's checkpoint restores the default state only.
+            ``fork()``); None draws every mask from the default generator. To recompute
+            the layer, give torch's checkpoint ``context_fn=rng.checkpoint_contexts``
+            (``checkpoint_core`` does): it restores the default state only.
     """
 
     def __init__(
@@ -140,12 +141,10 @@ class GPTLayer(nn.Module):
 
         q, k, v = take(0), take(1), take(2)
         if self.checkpoint_core:
-            if self.rng is not None:
-                raise ValueError(
-                    "checkpoint_core with rng: the recomputation would draw the next mask of the "
-                    "forked state, not the one forward used; use one or the other"
-                )
-            core = torch.utils.checkpoint.checkpoint(self.core, q, k, v, use_reentrant=False)
+            replay = {"context_fn": self.rng.checkpoint_contexts} if self.rng is not None else {}
+            core = torch.utils.checkpoint.checkpoint(
+                self.core, q, k, v, use_reentrant=False, **replay
+            )
         else:
             core = self.core(q, k, v)
         return core.view(b, heads, s, d).transpose(1, 2).reshape(b, s, heads * d)

@@ -14,6 +14,11 @@ states for this:
 
 :class:`RNGStatesTracker` is that tracked state for one device; :func:`model_parallel_seed`
 seeds both. :class:`mgtutor.parallel.gpt_layer.GPTLayer` takes a tracker as ``rng``.
+
+Recomputation must redraw the masks forward drew. ``torch.utils.checkpoint`` restores the default
+state only; Megatron-LM's ``CheckpointFunction`` (same file) saves and restores the tracked
+states too. Here the tracker does it when given to torch's checkpoint as
+``context_fn=tracker.checkpoint_contexts``; a fork inside a recomputation without it raises.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class RNGStatesTracker:
         generator = torch.Generator(self.device)
         generator.manual_seed(seed)
         self.state = generator.get_state()
+        self._replaying = 0  # > 0 inside checkpoint_contexts' recomputation
 
     def _get(self) -> torch.Tensor:
         if self.device.type == "cpu":
@@ -63,7 +69,21 @@ class RNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self) -> Iterator[None]:
-        """Draw from this state inside the block; the default state is as it was after it."""
+        """Draw from this state inside the block; the default state is as it was after it.
+
+        Raises:
+            RuntimeError: inside autograd's backward (a checkpoint's recomputation) unless
+                the checkpoint was given :meth:`checkpoint_contexts`: the recomputation would
+                draw the state's next numbers, not the ones forward drew.
+        """
+        if not self._replaying and _in_backward():
+            raise RuntimeError(
+                "the tracked random state was forked during backward, as a checkpoint "
+                "recomputes: it would draw new dropout masks, not forward's. Pass "
+                "context_fn=tracker.checkpoint_contexts to torch.utils.checkpoint.checkpoint "
+                "(use_reentrant=False), which replays the tracked state as Megatron-LM's "
+                "CheckpointFunction does"
+            )
         default = self._get()
         self._set(self.state)
         try:
@@ -71,6 +91,46 @@ class RNGStatesTracker:
         finally:
             self.state = self._get()
             self._set(default)
+
+    def checkpoint_contexts(
+        self,
+    ) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+        """The two contexts ``torch.utils.checkpoint.checkpoint``'s ``context_fn`` returns.
+
+        The first, around the checkpointed forward, notes the tracked state; the second, around
+        its recomputation in backward, swaps that state in, so that every fork redraws
+        forward's numbers, and afterwards puts back the state it found (Megatron-LM's
+        ``CheckpointFunction`` does the same with its tracker's states).
+
+        Example:
+            >>> y = torch.utils.checkpoint.checkpoint(
+            ...     layer, x, use_reentrant=False, context_fn=layer.rng.checkpoint_contexts)
+        """
+        noted: list[torch.Tensor] = []
+
+        @contextlib.contextmanager
+        def forward() -> Iterator[None]:
+            noted.append(self.state)  # fork() replaces self.state; it never writes into it
+            yield
+
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            found = self.state
+            self.state, self._replaying = noted[0], self._replaying + 1
+            try:
+                yield
+            finally:
+                self.state, self._replaying = found, self._replaying - 1
+
+        return forward(), recompute()
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (a recomputation is)."""
+    # torch._C._current_graph_task_id is private: -1 outside a backward in torch 2.11 to 2.15
+    # (autograd/graph.py reads it so); without it, nothing is detected.
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
 
 
 def model_parallel_seed(

@@ -88,10 +88,10 @@ def bubble(pp: int, micro_batches: int) -> float:
 def refusal(*, pp: int, micro_batches: int, schedule: str = "1F1B") -> str | None:
     """Why torch does not run this pipeline, or None if it does.
 
-    ``Schedule1F1B`` raises ValueError with fewer micro-batches than stages (as do
-    ``ScheduleDualPipeV`` and ``ScheduleZBVZeroBubble``); ``ScheduleGPipe`` runs any number
-    (``pipelining/schedules.py``, torch 2.11 to 2.15). FSDP (ZeRO-2/3) under a pipeline runs:
-    see :func:`~mgtutor.plan.planner.plan`.
+    ``Schedule1F1B`` raises ValueError with fewer micro-batches than stages (as does
+    ``ScheduleDualPipeV``; ``ScheduleZBVZeroBubble`` checks only its two stages per rank);
+    ``ScheduleGPipe`` runs any number (``pipelining/schedules.py``, torch 2.11 to 2.15).
+    FSDP (ZeRO-2/3) under a pipeline runs: see :func:`~mgtutor.plan.planner.plan`.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")

@@ -42,21 +42,24 @@ def _gloo_entries() -> list[tuple[str, int]]:
 
 
 def _written_by_collectives() -> dict[str, int | None]:
-    """Bytes this rank wrote around an all-reduce and a reduce-scatter of one 32 KiB buffer."""
+    """Bytes this rank wrote to its sockets around an all-reduce and a reduce-scatter of one
+    32 KiB buffer, each with 4 KiB printed beside it (and torch 2.14's reduce_scatter_tensor
+    warns): SocketWrites must leave what was printed out."""
+    import sys
+
     import torch.distributed as dist
 
     out = {}
     for name in ("all_reduce", "reduce_scatter"):
         buffer = torch.ones(8192)  # float32, as the recorder's entries below are read
-        before = traffic.bytes_written()
-        if name == "all_reduce":
-            dist.all_reduce(buffer)
-        else:
-            # reduce_scatter_single from torch 2.14, whose reduce_scatter_tensor warns (a write)
-            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            scatter(torch.empty(4096), buffer)
-        after = traffic.bytes_written()
-        out[name] = None if before is None else after - before
+        with traffic.SocketWrites() as written:
+            print("." * 2047)
+            print("." * 2047, file=sys.stderr)
+            if name == "all_reduce":
+                dist.all_reduce(buffer)
+            else:
+                dist.reduce_scatter_tensor(torch.empty(4096), buffer)
+        out[name] = written.nbytes
     return out
 
 
@@ -232,3 +235,27 @@ def test_bytes_written_is_none_without_proc(monkeypatch) -> None:
 
     monkeypatch.setattr(builtins, "open", no_proc)
     assert traffic.bytes_written() is None
+
+
+def test_socket_writes_leaves_out_what_is_printed_and_relays_it(capfd) -> None:
+    import os
+    import sys
+
+    if traffic.bytes_written() is None:
+        pytest.skip("no /proc/self/io here: SocketWrites.nbytes is None off Linux")
+    with traffic.SocketWrites() as written:
+        print("o" * 4999)
+        os.write(2, b"e" * 3000)  # below Python, as a C++ warning writes
+    assert written.nbytes == 0  # no socket here: nothing but what was printed
+    out, err = capfd.readouterr()
+    assert out == "o" * 4999 + "\n" and err == "e" * 3000
+    assert sys.stdout is not None
+
+
+def test_socket_writes_is_none_without_proc(monkeypatch) -> None:
+    from mgtutor.measure import written
+
+    monkeypatch.setattr(written, "bytes_written", lambda: None)
+    with traffic.SocketWrites() as socket_writes:
+        pass
+    assert socket_writes.nbytes is None

@@ -90,15 +90,52 @@ def test_gpt_layer_draws_the_attention_mask_forked_and_the_residual_ones_from_th
     assert not any(torch.equal(a, b) for a, b in zip(base[1:], other_default[1:]))
 
 
-def test_gpt_layer_refuses_what_it_cannot_record_or_recompute():
+def test_gpt_layer_refuses_what_it_cannot_record():
     layer, x = GPTLayer(8, 2, p=0.5, mask="float"), torch.randn(1, 4, 8)
     layer.dropout_masks = []
     with pytest.raises(ValueError, match="mask='bool'"):
         layer(x)
-    layer = GPTLayer(8, 2, p=0.5, rng=RNGStatesTracker(0))
-    layer.checkpoint_core = True
-    with pytest.raises(ValueError, match="checkpoint_core with rng"):
-        layer(x)
+
+
+def _gradients(layer: torch.nn.Module, x: torch.Tensor, how: str) -> list[torch.Tensor]:
+    """Output and every gradient of one step, the layer run plainly or recomputed ``how``."""
+    layer.zero_grad()
+    layer.rng = model_parallel_seed(SEED, tp_rank=0)  # the same draws for every ``how``
+    x = x.clone().requires_grad_()
+    if how == "checkpoint, replaying the tracker":
+        y = torch.utils.checkpoint.checkpoint(
+            layer, x, use_reentrant=False, context_fn=layer.rng.checkpoint_contexts
+        )
+    elif how in ("checkpoint", "checkpoint, reentrant"):
+        y = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=how.endswith("reentrant"))
+    else:
+        layer.checkpoint_core = how == "checkpoint_core"
+        y = layer(x)
+    (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+    layer.checkpoint_core = False
+    return [y.detach(), x.grad, *(p.grad.clone() for p in layer.parameters())]
+
+
+def test_recomputation_replays_the_tracked_state_or_refuses():
+    # Megatron-LM's CheckpointFunction restores its tracker's states for the recomputation;
+    # torch's checkpoint restores only the default one, so without checkpoint_contexts the
+    # recomputed attention mask would be the tracker's next one (wrong gradients, silently).
+    torch.manual_seed(0)
+    layer, x = GPTLayer(16, 4, p=0.5), torch.randn(2, 8, 16)
+    plain = _gradients(layer, x, "plain")
+    for how in ("checkpoint, replaying the tracker", "checkpoint_core"):
+        got = _gradients(layer, x, how)
+        assert all(torch.equal(a, b) for a, b in zip(got, plain)), how
+    for how in ("checkpoint", "checkpoint, reentrant"):
+        with pytest.raises(RuntimeError, match="forked during backward"):
+            _gradients(layer, x, how)
+    # The tracker's state after a replayed step is where the plain step left it.
+    after = []
+    for how in ("plain", "checkpoint, replaying the tracker"):
+        _gradients(layer, x, how)
+        with layer.rng.fork():
+            after.append(torch.rand(4))
+    assert torch.equal(*after)
 
 
 def _split_masks() -> dict[str, Any]:
@@ -114,6 +151,11 @@ def _split_masks() -> dict[str, Any]:
         parallel.rng, parallel.dropout_masks = model_parallel_seed(SEED, tp_rank=rank), []
         parallel(x.chunk(world, dim=1)[rank] if sp else x)
         out["sp" if sp else "tp"] = parallel.dropout_masks
+        parallel.dropout_masks = None
+        mine = x.chunk(world, dim=1)[rank] if sp else x
+        plain = _gradients(parallel, mine, "plain")
+        replayed = _gradients(parallel, mine, "checkpoint, replaying the tracker")
+        out["replayed, " + ("sp" if sp else "tp")] = all(map(torch.equal, plain, replayed))
     return out
 
 
@@ -128,3 +170,4 @@ def test_split_layer_masks_agree_where_replicated_and_differ_where_split():
     for mine, theirs, one in zip(tp0[1:], tp1[1:], layer.dropout_masks[1:]):
         assert torch.equal(mine, theirs) and torch.equal(mine, one)  # replicated: one process's
     assert not any(torch.equal(a, b) for a, b in zip(sp0, sp1))  # each rank's tokens
+    assert all(rank["replayed, tp"] and rank["replayed, sp"] for rank in ranks)  # recomputed alike
