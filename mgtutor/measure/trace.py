@@ -35,8 +35,9 @@ import os
 import socket
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,10 @@ from mgtutor.measure.timing import STEP, PhaseRecord, StepTimer, timer
 __all__ = ["Collective", "RankTrace", "merge_traces", "record_trace", "write_trace"]
 
 BARRIER = "mgtutor: barrier (the clocks' zero)"
+# torch 2.11's profiler warns at every start that a profiler "clears events at the end of each
+# cycle" (profiler.py, prepare_trace; 2.14 only when one object is started twice): every rank
+# printed it in a cell. record_trace starts each profiler once, so the warning never applies.
+_CYCLE_WARNING = r".*Profiler clears events at the end of each cycle"
 _PHASES_TID = 0  # the track of the timer's step()/phase() spans; no OS thread has id 0
 _ELEMENT_BYTES = {
     "float": 4,
@@ -225,7 +230,10 @@ def record_trace(step_timer: StepTimer | None = None) -> Iterator[RankTrace]:
     # none, to the rank's stderr: noise in a cell. Level 6 is above its highest.
     os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     offset_before = _unix_minus_perf()
-    with profile(activities=activities, record_shapes=True) as prof:
+    with ExitStack() as stack:
+        with warnings.catch_warnings():  # only around the start: the block's own warnings show
+            warnings.filterwarnings("ignore", message=_CYCLE_WARNING, category=UserWarning)
+            prof = stack.enter_context(profile(activities=activities, record_shapes=True))
         with record_function(BARRIER):
             if backend == "nccl":
                 dist.barrier(device_ids=[torch.cuda.current_device()])

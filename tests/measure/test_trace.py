@@ -136,3 +136,24 @@ def test_launches_pair_with_their_collectives_by_size_when_gloo_threads_swap_the
     events = [call(100.0, 256), call(101.0, 1024), gloo(103.0, 256), gloo(102.0, 1024)]
     found = RankTrace(0, "h", "gloo", 0.0, events).collectives("all_reduce")
     assert [(c.nbytes, c.launched) for c in found] == [(4096, 101.0), (1024, 100.0)]
+
+
+def test_record_trace_hides_only_the_profilers_cycle_warning() -> None:
+    # torch 2.11 warns "Profiler clears events at the end of each cycle" at every profiler start
+    # (once per process: forget that it did); the block's own warnings still show.
+    import warnings
+
+    import torch.profiler.profiler as torch_profiler
+
+    from mgtutor.measure.timing import StepTimer
+
+    shown = getattr(torch_profiler, "_WARNINGS_SHOWN", None)  # private, torch 2.11-2.15
+    if shown is not None:
+        shown.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with mgtutor.record_trace(StepTimer("cpu")):
+            warnings.warn("the block's own", UserWarning, stacklevel=1)
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "clears events" in m], messages
+    assert "the block's own" in messages
