@@ -93,12 +93,6 @@ def get_contract() -> WorkerContract:
     Raises:
         RuntimeError: when neither set of variables is present, or SLURM runs without
             ``MASTER_ADDR``, with what to set.
-
-    Example:
-        >>> os.environ.update(RANK="0", WORLD_SIZE="1")
-        >>> os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
-        >>> get_contract().world_size
-        1
     """
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
@@ -150,18 +144,8 @@ def get_contract() -> WorkerContract:
 def backend_for(local_world_size: int) -> str:
     """Name the backend :func:`setup` picks when a machine runs this many workers.
 
-    NCCL when CUDA has at least one GPU per local worker (NCCL refuses two ranks on one GPU),
-    gloo otherwise.
-
-    Args:
-        local_world_size: workers on this machine.
-
-    Returns:
-        "nccl" or "gloo".
-
-    Example:
-        >>> backend_for(2)  # on a laptop without CUDA
-        'gloo'
+    "nccl" when CUDA has at least one GPU per local worker (NCCL refuses two ranks on one GPU),
+    "gloo" otherwise: ``backend_for(2)`` is 'gloo' on a laptop without CUDA.
     """
     import torch
     import torch.distributed as dist
@@ -188,17 +172,11 @@ def _threads_per_rank(contract: WorkerContract) -> int:
 
 
 def share_cores() -> int:
-    """Give this rank's torch its CPU threads: ``OMP_NUM_THREADS`` where set, else its share.
+    """Set this rank's torch threads (returned): ``OMP_NUM_THREADS`` where set, else its share.
 
-    torchrun sets ``OMP_NUM_THREADS=1`` for each of several workers; without a limit every rank
-    would start a thread per core, and ranks sharing the cores fight over them. mgtutor's
-    launcher calls this in every rank before fn runs, so a function that joins the group with a
-    plain ``init_process_group`` gets the same share as one calling :func:`setup`. The variable
-    is applied here, not only read at import: a forkserver rank's torch was imported by the
-    server, before the notebook may have set it.
-
-    Returns:
-        The number of threads set.
+    The launcher calls it in every rank before fn, so a plain ``init_process_group`` gets the
+    share :func:`setup` gives (torchrun sets 1 for several workers). It applies the variable
+    itself: a forkserver rank's torch was imported before the notebook may have set it.
     """
     import torch
 
@@ -239,13 +217,6 @@ def setup(
     Raises:
         ValueError: an unknown backend, or NCCL without one GPU per local worker.
         RuntimeError: this process is not a worker (see :func:`get_contract`).
-
-    Example:
-        >>> def work():
-        ...     device = mgtutor.setup()
-        ...     return dist.get_rank(), str(device)
-        >>> mgtutor.launch(work, world_size=2).results
-        [(0, 'cpu'), (1, 'cpu')]
     """
     import torch
     import torch.distributed as dist
