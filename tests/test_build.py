@@ -198,8 +198,13 @@ ALL_METHODS = ("fork", "spawn", "forkserver")
 LOADER_STARTS = [  # system, its start methods, Python, how DataLoader workers start
     ("Linux", ALL_METHODS, (3, 13, 0), "fork"),
     ("Linux", ALL_METHODS, (3, 12, 0), "fork"),
-    # CPython gh-112275: a forked child can hang on a lock another thread held at the fork.
+    # CPython gh-112275: a forked child can hang on a lock another thread held at the fork,
+    # up to 3.10.14 and 3.11.9 (the fix shipped in 3.10.15 and 3.11.10).
+    ("Linux", ALL_METHODS, (3, 11, 10), "fork"),
+    ("Linux", ALL_METHODS, (3, 11, 9), "forkserver"),
     ("Linux", ALL_METHODS, (3, 11, 7), "forkserver"),
+    ("Linux", ALL_METHODS, (3, 10, 15), "fork"),
+    ("Linux", ALL_METHODS, (3, 10, 14), "forkserver"),
     ("Linux", ALL_METHODS, (3, 10, 13), "forkserver"),
     ("Linux", ("fork", "spawn"), (3, 10, 13), "spawn"),
     ("Darwin", ALL_METHODS, (3, 13, 0), "spawn"),
