@@ -288,7 +288,7 @@ def test_spawned_workers_read_the_notebooks_datasets() -> None:
     reason="no forkserver for loaders on this system: workers are spawned",
 )
 def test_a_rank_on_python_3_10_starts_its_workers_from_its_own_server_and_stops_it() -> None:
-    # Python 3.10 and 3.11's way, on any Python here: a stand-in version inside the rank.
+    # Python 3.10.0-3.10.14 and 3.11.0-3.11.9's way, on any Python here: a stand-in inside the rank.
     def in_a_rank() -> tuple[list[int], list[int], list[int], list[int], list[int]]:
         import psutil
 
