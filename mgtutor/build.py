@@ -38,9 +38,11 @@ __all__ = [
 #: PyTorch's own package index; a local version such as ``+cpu`` names a folder of it.
 PYTORCH_INDEX = "https://download.pytorch.org/whl"
 
-#: The first Python whose forked child cannot hang on a lock held by another thread at the fork
-#: (CPython gh-112275; see :func:`loader_start_method`).
-FORK_SAFE_PYTHON = (3, 12)
+#: For each Python 3.x, the first patch release whose forked child cannot hang on the runtime's
+#: thread-list lock held by another thread at the fork (CPython gh-112275, fixed in 3.12 and in
+#: 3.10.15 and 3.11.10, released 2024-09-07; see :func:`loader_start_method`). Earlier minor
+#: versions are out of scope (mgtutor needs 3.10); later ones have the fix.
+FORK_SAFE_PYTHON = {10: (3, 10, 15), 11: (3, 11, 10), 12: (3, 12, 0)}
 
 
 @dataclass(frozen=True)
@@ -156,9 +158,14 @@ def _fork_safe(os: str, start_methods: tuple[str, ...]) -> bool:
 def _loader_start_method(os: str, python: tuple[int, ...], start_methods: tuple[str, ...]) -> str:
     if not _fork_safe(os, start_methods):
         return "spawn"
-    if tuple(python[:2]) >= FORK_SAFE_PYTHON:
+    if _has_fork_fix(tuple(python)):
         return "fork"
     return "forkserver" if "forkserver" in start_methods else "spawn"
+
+
+def _has_fork_fix(python: tuple[int, ...]) -> bool:
+    first = FORK_SAFE_PYTHON.get(python[1], FORK_SAFE_PYTHON[12] if python[1] > 12 else None)
+    return first is not None and python[:3] >= first
 
 
 def _python_version() -> tuple[int, int, int]:
@@ -192,17 +199,20 @@ def rank_start_method() -> str:
 def loader_start_method() -> str:
     """How DataLoader workers start here: "fork", "forkserver" or "spawn". Imports no torch.
 
-    * "fork" on Linux with Python 3.12 or later: a forked worker starts at once, with the
-      dataset already in its memory.
-    * "forkserver" on Linux with Python 3.10 and 3.11. A forked child there can hang for good
-      before it runs a line: ``PyOS_AfterFork_Child`` (``Modules/posixmodule.c``) deletes the
-      other threads' states, which takes the runtime's thread-list lock, before it resets that
-      lock, so a lock another thread held at the fork is never released (CPython gh-112275).
-      A rank has other threads, and its forked workers hung about 1 run in 5 here (3.10.13).
-      3.12 resets the lock first; the 3.11 branch got the fix later (python/cpython#112336),
-      but 3.10.13, 3.11.7 and Debian 12's 3.11.2 (disassembled here) still take it first, and
-      which patch releases have the fix was not established, so none is trusted. A forkserver
-      is a process without other threads that forks each worker (:func:`loader_context`).
+    * "fork" on Linux with Python 3.10.15, 3.11.10, 3.12 or later: a forked worker starts at
+      once, with the dataset already in its memory.
+    * "forkserver" on Linux with Python 3.10.0-3.10.14 and 3.11.0-3.11.9. A forked child there
+      can hang for good before it runs a line: ``PyOS_AfterFork_Child``
+      (``Modules/posixmodule.c``) deletes the other threads' states, which takes the runtime's
+      thread-list lock, before it resets that lock, so a lock another thread held at the fork
+      is never released (CPython gh-112275). A rank has other threads, and its forked workers
+      hung about 1 run in 5 here (3.10.13). 3.12 resets the lock first; the fix reached 3.11.10
+      and 3.10.15 (3.11 by python/cpython#112336; ``Misc/NEWS.d/3.11.10.rst`` and
+      ``3.10.15.rst``, released 2024-09-07), while 3.10.13, 3.11.7 and Debian 12's 3.11.2
+      (disassembled here) still take it first. A forkserver is a process without other threads
+      that forks each worker (:func:`loader_context`). The fix is for that one lock: forking a
+      process with threads stays unsafe in general, and from 3.12 ``os.fork`` warns so
+      (a ``DeprecationWarning`` when it sees other threads).
     * "spawn" on macOS, whose system libraries are unsafe in a forked child of a process with
       threads (Python made spawn macOS's default in 3.8, bpo-33725), and on Windows.
     """
@@ -333,7 +343,7 @@ def this_build() -> Build:
 
     Example:
         >>> build = this_build()
-        >>> build.loader_start_method in ("fork", "spawn")
+        >>> build.loader_start_method in ("fork", "forkserver", "spawn")
         True
     """
     import torch

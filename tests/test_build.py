@@ -198,8 +198,13 @@ ALL_METHODS = ("fork", "spawn", "forkserver")
 LOADER_STARTS = [  # system, its start methods, Python, how DataLoader workers start
     ("Linux", ALL_METHODS, (3, 13, 0), "fork"),
     ("Linux", ALL_METHODS, (3, 12, 0), "fork"),
-    # CPython gh-112275: a forked child can hang on a lock another thread held at the fork.
+    # CPython gh-112275: a forked child can hang on a lock another thread held at the fork,
+    # up to 3.10.14 and 3.11.9 (the fix shipped in 3.10.15 and 3.11.10).
+    ("Linux", ALL_METHODS, (3, 11, 10), "fork"),
+    ("Linux", ALL_METHODS, (3, 11, 9), "forkserver"),
     ("Linux", ALL_METHODS, (3, 11, 7), "forkserver"),
+    ("Linux", ALL_METHODS, (3, 10, 15), "fork"),
+    ("Linux", ALL_METHODS, (3, 10, 14), "forkserver"),
     ("Linux", ALL_METHODS, (3, 10, 13), "forkserver"),
     ("Linux", ("fork", "spawn"), (3, 10, 13), "spawn"),
     ("Darwin", ALL_METHODS, (3, 13, 0), "spawn"),
@@ -283,7 +288,7 @@ def test_spawned_workers_read_the_notebooks_datasets() -> None:
     reason="no forkserver for loaders on this system: workers are spawned",
 )
 def test_a_rank_on_python_3_10_starts_its_workers_from_its_own_server_and_stops_it() -> None:
-    # Python 3.10 and 3.11's way, on any Python here: a stand-in version inside the rank.
+    # Python 3.10.0-3.10.14 and 3.11.0-3.11.9's way, on any Python here: a stand-in inside the rank.
     def in_a_rank() -> tuple[list[int], list[int], list[int], list[int], list[int]]:
         import psutil
 

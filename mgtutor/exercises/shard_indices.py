@@ -101,8 +101,8 @@ def _through_loader(
     fn: Callable[..., Any], n: int, rank: int, world: int, workers: int
 ) -> tuple[list, int]:
     """What each worker read, and how many batches the DataLoader yielded on this rank."""
-    # Workers started as notebook 06's are (mgtutor.build.loader_start_method): forked on Linux
-    # with Python 3.12+, from this rank's own forkserver with 3.10 and 3.11, spawned on macOS.
+    # Workers started as notebook 06's are (mgtutor.build.loader_start_method): forked on Linux,
+    # from this rank's own forkserver on Python 3.10.0-3.10.14 and 3.11.0-3.11.9, spawned on macOS.
     loader = DataLoader(
         _Stream(fn, n, rank, world),
         batch_size=BATCH_SIZE,
