@@ -18,6 +18,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
 
@@ -52,7 +57,7 @@ def save_checkpoint(obj: Any, path: str | os.PathLike[str]) -> Path:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
             f.flush()
-            os.fsync(f.fileno())
+            _flush(f.fileno())  # the bytes are on disk before the name points at them
         os.replace(temporary, target)
     except BaseException:
         os.unlink(temporary)
@@ -70,6 +75,19 @@ def _mode_for(target: Path) -> int:
         return 0o666 & ~umask
 
 
+def _flush(fd: int) -> None:
+    # os.fsync hands the bytes to the drive. On macOS the drive may keep them in its cache,
+    # and only fcntl's F_FULLFSYNC asks it to write them (Apple's fsync(2) man page); Python's
+    # os.fsync does not use it, so it follows the fsync there.
+    os.fsync(fd)
+    full_fsync = getattr(fcntl, "F_FULLFSYNC", None)
+    if full_fsync is not None:
+        try:
+            fcntl.fcntl(fd, full_fsync)
+        except OSError:
+            pass  # a file system without it (some network ones): fsync is all there is
+
+
 def _fsync_directory(folder: Path) -> None:
     # The rename lives in the folder's entry list: without this a power cut right after
     # save_checkpoint returned can still bring back the old file (or none) on some file systems.
@@ -78,7 +96,7 @@ def _fsync_directory(folder: Path) -> None:
     except OSError:
         return  # no directory handles on this platform
     try:
-        os.fsync(fd)
+        _flush(fd)
     except OSError:
         pass  # some file systems cannot sync a directory; the rename itself still happened
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from mgtutor.checkpoint import load_checkpoint, save_checkpoint
+
+fcntl = pytest.importorskip("fcntl")  # POSIX: what save_checkpoint flushes with
 
 
 def test_round_trip(tmp_path: Path) -> None:
@@ -49,14 +52,61 @@ def test_new_file_gets_the_umask_mode_and_a_replaced_one_keeps_its_mode(tmp_path
     assert stat.S_IMODE(path.stat().st_mode) == 0o604
 
 
-def test_the_folder_is_synced_after_the_rename(tmp_path: Path, monkeypatch) -> None:
-    synced = []
-    real_fsync = os.fsync
+def _flushes_and_renames(monkeypatch, full_fsync: int | None) -> list[str]:
+    """What save_checkpoint flushes and renames, in order; ``full_fsync``: a stand-in for
+    macOS's fcntl.F_FULLFSYNC (recorded, not called), or None for a system without it."""
+    events: list[str] = []
+    real_fsync, real_replace, real_fcntl = os.fsync, os.replace, fcntl.fcntl
 
-    def record(fd: int) -> None:
-        synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+    def kind(fd: int) -> str:
+        return "folder" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+
+    def fsync(fd: int) -> None:
+        events.append(f"fsync {kind(fd)}")
         real_fsync(fd)
 
-    monkeypatch.setattr(os, "fsync", record)
-    path = save_checkpoint({"epoch": 1}, tmp_path / "ckpt.pt")
-    assert synced[-1] == str(path.parent.resolve()), synced
+    def replace(source, target) -> None:
+        events.append("replace")
+        real_replace(source, target)
+
+    def fake_fcntl(fd: int, command: int, *args):
+        if command != full_fsync:
+            return real_fcntl(fd, command, *args)
+        events.append(f"F_FULLFSYNC {kind(fd)}")
+        return 0
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    if full_fsync is None:
+        monkeypatch.delattr(fcntl, "F_FULLFSYNC", raising=False)
+    else:
+        monkeypatch.setattr(fcntl, "F_FULLFSYNC", full_fsync, raising=False)
+        monkeypatch.setattr(fcntl, "fcntl", fake_fcntl)
+    return events
+
+
+def test_the_file_is_flushed_before_the_rename_and_the_folder_after(
+    tmp_path: Path, monkeypatch
+) -> None:
+    events = _flushes_and_renames(monkeypatch, None)
+    save_checkpoint({"epoch": 1}, tmp_path / "ckpt.pt")
+    assert events == ["fsync file", "replace", "fsync folder"]
+
+
+def test_on_macos_the_drive_is_asked_to_write_too(tmp_path: Path, monkeypatch) -> None:
+    # F_FULLFSYNC after each fsync: the drive writes its cache (Apple's fsync(2)).
+    events = _flushes_and_renames(monkeypatch, -12345)
+    save_checkpoint({"epoch": 1}, tmp_path / "ckpt.pt")
+    assert events == ["fsync file", "F_FULLFSYNC file", "replace",
+                      "fsync folder", "F_FULLFSYNC folder"]
+
+
+def test_a_file_system_without_f_fullfsync_still_saves(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(fcntl, "F_FULLFSYNC", -12345, raising=False)
+
+    def refuse(fd: int, command: int, *args):
+        raise OSError(errno.ENOTSUP, "not supported")
+
+    monkeypatch.setattr(fcntl, "fcntl", refuse)
+    path = save_checkpoint({"epoch": 3}, tmp_path / "ckpt.pt")
+    assert load_checkpoint(path) == {"epoch": 3}
