@@ -168,6 +168,7 @@ def test_the_bound_loosens_only_for_other_work(monkeypatch):
         assert step_check.tolerance()[0] == bound
 
 
+@pytest.mark.repeats_notebook("18_step_time.ipynb")  # its check cell asserts the same bound
 def test_cpu_ranks_predicted_within_the_bound():
     # Calibrate this machine's 2 CPU ranks, predict, then measure the five configurations of
     # issue 35, interleaved. The bound is 25%, or 50% while the machine is loaded (other work
