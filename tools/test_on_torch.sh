@@ -58,7 +58,9 @@ if [ ! -x "$venv/bin/python" ]; then
     fi
     if [ "$torch_version" = newest ]; then
         "${pip[@]}" torch $([ "$vision_version" = none ] || echo torchvision)
-        installed=$("$venv/bin/python" -c "import torch; print(torch.__version__)")
+        # The constraint names the distribution's version, which pip compares: PyPI's 2.15.0 reports
+        # torch.__version__ '2.15.0+cu132', which no distribution on PyPI is.
+        installed=$("$venv/bin/python" -c "from importlib.metadata import version; print(version('torch'))")
         "${pip[@]}" -r "$requirements" -c <(echo "torch==$installed")
     else
         torch_pin="torch==$torch_version"
@@ -73,8 +75,8 @@ if [ ! -x "$venv/bin/python" ]; then
         # also satisfies requirements.txt (torchvision from PyPI would bring PyPI's build).
         "${pip[@]}" -r "$requirements" -c <(echo "$torch_pin")
     fi
-    if [ -n "${MGTUTOR_EXTRA_PACKAGES:-}" ]; then  # e.g. pytest-xdist, for .ci/run
-        installed=$("$venv/bin/python" -c "import torch; print(torch.__version__)")
+    if [ -n "${MGTUTOR_EXTRA_PACKAGES:-}" ]; then  # e.g. a peer to benchmark against
+        installed=$("$venv/bin/python" -c "from importlib.metadata import version; print(version('torch'))")
         # shellcheck disable=SC2086
         "${pip[@]}" $MGTUTOR_EXTRA_PACKAGES -c <(echo "torch==$installed")
     fi
