@@ -74,11 +74,15 @@ def _with_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 30, 7))
 
 
+def _skip_without_torch_accelerator() -> None:
+    if not hasattr(torch, "accelerator"):
+        pytest.skip("torch.accelerator is from torch 2.6 (the package's floor is older)")
+
+
 def _accelerator(monkeypatch: pytest.MonkeyPatch, kind: str | None) -> None:
     """``kind`` usable now; None as a CUDA build on a machine without a GPU answers: the type
     it was built for, but not available."""
-    if not hasattr(torch, "accelerator"):
-        pytest.skip("torch.accelerator is from torch 2.6 (the package's floor is older)")
+    _skip_without_torch_accelerator()
     monkeypatch.setattr(torch.accelerator, "is_available", lambda: kind is not None)
     device = torch.device(kind or "cuda")
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: device)
@@ -94,8 +98,7 @@ class _BrokenTorchvision(importlib.abc.MetaPathFinder):
 
 
 def test_the_facts_are_torchs_own_answers() -> None:
-    if not hasattr(torch, "accelerator"):
-        pytest.skip("torch.accelerator is from torch 2.6 (the package's floor is older)")
+    _skip_without_torch_accelerator()
     build = this_build()
     assert build.torch == torch.__version__ and build.cuda == torch.version.cuda
     assert build.nccl == (dist.is_available() and dist.is_nccl_available())
