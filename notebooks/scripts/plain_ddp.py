@@ -73,7 +73,7 @@ def main(local_rank, world_size):
         )
     else:
         device = torch.device("cpu")
-        pin_gloo_to_loopback()
+        pin_gloo_to_loopback(world_size)
         dist.init_process_group(
             "gloo", rank=rank, world_size=world_size, timeout=timedelta(minutes=10)
         )
@@ -114,16 +114,19 @@ def main(local_rank, world_size):
     dist.destroy_process_group()
 
 
-def pin_gloo_to_loopback():
+def pin_gloo_to_loopback(world_size):
     # Unless told (GLOO_SOCKET_IFNAME), gloo binds to the address this machine's hostname
     # resolves to, and to loopback only when it resolves to none (createDefaultDevice in torch's
     # ProcessGroupGloo.hpp): a network address, which a firewall or a down link can keep the
     # other ranks from reaching. With every rank on this machine, loopback is enough: "lo" on
     # Linux, "lo0" on macOS. Across machines, set GLOO_SOCKET_IFNAME to the network's interface.
+    # Whether every rank is here is told by the worker counts, not by MASTER_ADDR: torchrun
+    # --standalone sets MASTER_ADDR to this machine's name (socket.getfqdn(), torch's
+    # distributed/elastic/rendezvous/api.py), "localhost" only where the hosts file says so.
     if "GLOO_SOCKET_IFNAME" in os.environ:
         return
-    if os.environ.get("MASTER_ADDR") not in ("127.0.0.1", "localhost"):
-        return
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) != world_size:
+        return  # some ranks run on other machines
     names = [name for _, name in socket.if_nameindex()]
     loopback = next((name for name in ("lo", "lo0") if name in names), None)
     if loopback is not None:
