@@ -44,9 +44,11 @@ _TARGET_BYTES_PER_SIZE = 256 * 1024 * 1024  # enough repetitions to time small s
 class BandwidthPoint:
     """One message size's measurement (bytes, seconds, bytes per second).
 
-    ``profiled``: with ``measure_allreduce(..., profile=True)``, the same all-reduces as torch's
-    profiler timed them (the process group's own events, :func:`mgtutor.record_trace`): the
-    slowest rank's mean, in seconds; otherwise None.
+    ``seconds`` (and the bandwidths) come from a loop run without torch's profiler. With
+    ``measure_allreduce(..., profile=True)`` the same loop runs once more, as a separate repeat,
+    inside it (:func:`mgtutor.record_trace`): ``under_profiler`` is that repeat's time per call
+    on the loop's own clock, and ``profiled`` the same calls as the profiler timed them (the
+    process group's own events); each the slowest rank's mean, in seconds; otherwise None.
     """
 
     size: int
@@ -54,6 +56,7 @@ class BandwidthPoint:
     algbw: float
     busbw: float
     profiled: float | None = None
+    under_profiler: float | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,9 @@ def _barrier(device: torch.device) -> None:
         dist.barrier()
 
 
-def _sweep(sizes: list[int], warmup: int, profile: bool = False) -> dict[str, Any]:
+def _sweep(
+    sizes: list[int], warmup: int, profile: bool = False, profile_first: bool = False
+) -> dict[str, Any]:
     """One rank's side of :func:`measure_allreduce`: time every size, then (rank 0) the copy."""
     import contextlib
 
@@ -125,16 +130,11 @@ def _sweep(sizes: list[int], warmup: int, profile: bool = False) -> dict[str, An
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    points = []
-    for size in sizes:
-        # Zeros stay zeros however often they are summed. Ones would double at every all-reduce
-        # on 2 ranks and overflow float32 to infinity after 128, so sums of infinities were timed.
-        tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
-        for _ in range(warmup):
-            dist.all_reduce(tensor)
-        iterations = _iterations(size)
+    def per_call(tensor: torch.Tensor, iterations: int, profiled: bool) -> list[float]:
+        # One timed loop: seconds per call on perf_counter and, inside the profiler, per call
+        # as the process group's events timed the same calls.
         # record_trace starts with a barrier; without it, so does the timed loop.
-        recording = mgtutor.record_trace(StepTimer("cpu")) if profile else None
+        recording = mgtutor.record_trace(StepTimer("cpu")) if profiled else None
         with recording or contextlib.nullcontext() as trace:
             if trace is None:
                 _barrier(device)
@@ -144,17 +144,32 @@ def _sweep(sizes: list[int], warmup: int, profile: bool = False) -> dict[str, An
                 dist.all_reduce(tensor)
             sync()
             elapsed = time.perf_counter() - start
+        if trace is None:
+            return [elapsed / iterations]
+        spans = [c.duration for c in trace.collectives("all_reduce")][-iterations:]
+        return [elapsed / iterations, sum(spans) / len(spans)]
+
+    points = []
+    for size in sizes:
+        # Zeros stay zeros however often they are summed. Ones would double at every all-reduce
+        # on 2 ranks and overflow float32 to infinity after 128, so sums of infinities were timed.
+        tensor = torch.zeros(size // 4, dtype=torch.float32, device=device)
+        for _ in range(warmup):
+            dist.all_reduce(tensor)
+        iterations = _iterations(size)
+        # The plain loop gives the point; with profile, a separate repeat inside the profiler,
+        # after it or (profile_first) before it.
+        order = ((True, False) if profile_first else (False, True)) if profile else (False,)
+        repeats = {profiled: per_call(tensor, iterations, profiled) for profiled in order}
+        means = repeats[False] + repeats.get(True, [])
         # On the rank's device: NCCL reduces CUDA tensors only.
-        means = [elapsed / iterations]
-        if trace is not None:
-            spans = [c.duration for c in trace.collectives("all_reduce")][-iterations:]
-            means.append(sum(spans) / len(spans))
         mean = torch.tensor(means, dtype=torch.float64, device=device)
         dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-        seconds, *profiled = mean.tolist()
+        seconds, *profiled_loop = mean.tolist()
         algbw = size / seconds
+        under, spans = profiled_loop or (None, None)
         points.append(
-            BandwidthPoint(size, seconds, algbw, algbw * 2 * (world - 1) / world, *profiled)
+            BandwidthPoint(size, seconds, algbw, algbw * 2 * (world - 1) / world, spans, under)
         )
 
     copy_bandwidth = _copy_bandwidth(sizes[-1], device) if dist.get_rank() == 0 else None
@@ -214,6 +229,7 @@ def measure_allreduce(
     backend: str | None = None,
     warmup: int = 3,
     profile: bool = False,
+    profile_first: bool = False,
 ) -> BandwidthResult:
     """Time all-reduce over ``sizes`` on ``world_size`` ranks, and a memory copy as reference.
 
@@ -225,8 +241,10 @@ def measure_allreduce(
         sizes: message sizes in bytes (multiples of 4: the messages are float32 tensors).
         backend: "gloo" or "nccl"; by default what :func:`mgtutor.setup` picks.
         warmup: untimed all-reduces per size before timing.
-        profile: also time the same all-reduces with torch's profiler (each point's
-            ``profiled``): a second clock on the same calls, to check the first against.
+        profile: also run each size's loop once more inside torch's profiler, a separate
+            repeat (each point's ``under_profiler``, and ``profiled``: a second clock on the
+            same calls, to check the first against); ``seconds`` stays the plain loop's.
+        profile_first: run that profiled repeat before the plain loop, not after it.
 
     Returns:
         The :class:`BandwidthResult`.
@@ -243,7 +261,9 @@ def measure_allreduce(
     sizes = sorted(int(s) for s in sizes)
     if not sizes or any(s <= 0 or s % 4 for s in sizes):
         raise ValueError(f"sizes must be positive multiples of 4 bytes, got {sizes}")
-    run = mgtutor.launch(_sweep, sizes, warmup, profile, world_size=world_size, backend=backend)
+    run = mgtutor.launch(
+        _sweep, sizes, warmup, profile, profile_first, world_size=world_size, backend=backend
+    )
     sweep = run.results[0]
     return BandwidthResult(
         points=sweep["points"],

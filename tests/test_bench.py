@@ -29,14 +29,18 @@ def test_sweep_reports_nccl_tests_conventions() -> None:
     assert [t.get_text() for t in ax.get_legend().get_texts()][1].startswith("bus bandwidth")
 
 
-def test_profiled_sweep_times_the_same_all_reduces_with_a_second_clock() -> None:
-    # The profiler's events lie inside the timed calls, which add only the call's own overhead
-    # (Python, the wake-up of the waiting thread): generous bounds, for a busy machine.
-    result = bench.measure_allreduce(2, [4096, 2**20], profile=True)
-    for p in result.points:
-        assert p.profiled is not None and p.profiled > 0
-        assert 0.9 * p.profiled <= p.seconds <= 3 * p.profiled + 1e-3
-    assert all(p.profiled is None for p in bench.measure_allreduce(2, [4096]).points)
+def test_profiled_sweep_times_a_separate_repeat_with_a_second_clock() -> None:
+    # The plain loop gives seconds; the profiled repeat's own clock and the profiler's events
+    # time the same calls, which add only the call's own overhead (Python, the wake-up of the
+    # waiting thread): generous bounds, for a busy machine. Either order of the two loops.
+    for first in (False, True):
+        result = bench.measure_allreduce(2, [4096, 2**20], profile=True, profile_first=first)
+        for p in result.points:
+            assert p.seconds > 0 and p.profiled is not None and p.profiled > 0
+            assert p.under_profiler is not None
+            assert 0.9 * p.profiled <= p.under_profiler <= 3 * p.profiled + 1e-3
+    plain = bench.measure_allreduce(2, [4096]).points
+    assert all(p.profiled is None and p.under_profiler is None for p in plain)
 
 
 def test_memory_copy_is_measured_in_rank_zero_not_in_the_calling_process() -> None:
