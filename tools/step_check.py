@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import mgtutor
-from mgtutor.measure.step_check import calibrate, check, tolerance
+from mgtutor.measure.step_check import TOLERANCE, calibrate, check
 
 
 def main() -> None:
@@ -23,7 +23,6 @@ def main() -> None:
     rate = "matmul" if "matmul" in sys.argv[2:] else "step"
     apart = "back-to-back" not in sys.argv[2:]
     retime = "calibrated-latency" not in sys.argv[2:]
-    bound, why = tolerance()  # before the ranks add their own load
     with mgtutor.Pool(2, backend="gloo") as pool:
         start = time.perf_counter()
         hardware = calibrate(pool, rate=rate, after_compute=apart)
@@ -44,15 +43,14 @@ def main() -> None:
         print(
             f"{m.name:34} predicted {m.predicted.total * 1e3:5.0f} ms, measured median "
             f"{m.median * 1e3:5.0f} ms ({min(m.seconds) * 1e3:.0f}-{max(m.seconds) * 1e3:.0f}), "
-            f"error {m.error:+.0%}; "
+            f"error {m.error:+.0%}, other work crowding {m.crowding:.2f} cores; "
             + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in m.predicted.parts.items() if v)
         )
-    within = all(abs(m.error) <= (bound or 0) for m in measured)
+    quiet = [m for m in measured if m.asserted]
+    within = all(abs(m.error) <= TOLERANCE for m in quiet)
     print(
-        f"bound {why}"
-        if bound is None
-        else f"bound {bound:.0%} ({why}, before the ranks "
-        f"started): " + ("all within" if within else "NOT all within")
+        f"bound {TOLERANCE:.0%} on the {len(quiet)} of {len(measured)} configurations other work "
+        "left alone: " + ("all within" if within else "NOT all within")
     )
 
 
