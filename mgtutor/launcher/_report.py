@@ -259,7 +259,8 @@ def format_stack(dump: bytes, main_ident: int | None) -> str:
     chosen = blocks
     if main_ident is not None:
         mark = f"0x{main_ident:016x}"
-        chosen = [b for b in blocks if mark in b.splitlines()[0]] or blocks
+        # A rank stopped before faulthandler wrote anything leaves an empty dump: no header line.
+        chosen = [b for b in blocks if mark in b.partition("\n")[0]] or blocks
     frames = []
     for block in chosen:
         for line in block.splitlines()[1:]:

@@ -181,6 +181,13 @@ def test_rank_stacks_are_in_pythons_order_innermost_last() -> None:
     assert [line.split(" in ")[-1] for line in stack] == ["work", "inner", "wrapper", "all_reduce"]
 
 
+def test_a_rank_stopped_before_its_dump_has_an_empty_stack() -> None:
+    # Interrupted during start-up, a spawned rank may not have written a line of its dump yet
+    # (CI saw it: IndexError in the interrupt's report, not the report).
+    assert _report.format_stack(b"", 0x7F0000000001) == ""
+    assert _report.format_stack(b"\n  \n", None) == ""
+
+
 def test_a_bad_argument_is_shown_message_first_and_still_a_value_or_type_error(
     shell, capsys
 ) -> None:
