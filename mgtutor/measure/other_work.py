@@ -2,33 +2,53 @@
 
 A timing check on CPU ranks measures the ranks only while nothing else wants their cores. The
 load average cannot say so: it is a one-minute average that lags (work that starts after it is
-read goes unseen) and it counts the ranks themselves once they run. :class:`OtherWork` counts
-instead, over exactly the blocks it wraps, the machine's busy CPU seconds (``psutil.cpu_times``)
-less those of this process and its descendants (the ranks a :class:`mgtutor.Pool` started,
-including children they reaped), per wall-clock second: the cores other processes held.
+read goes unseen) and it counts the ranks themselves once they run. :func:`busy_seconds` reads
+instead the busy CPU seconds of the CPUs this process may run on (its affinity mask, where the
+platform has one; all CPUs elsewhere), whoever used them; less the CPU seconds the measured
+processes used over the same window, that is the CPU other work took there.
 
-Where a child's CPU time cannot be read (it ended between the listing and the reading, or macOS,
-where psutil reports no reaped children's time), it counts as other work: the meter errs towards
-calling a machine busy, never quiet. In a container whose ``/proc/stat`` shows the host's CPUs,
-the host's other tenants count as other work too.
+:class:`OtherWork` does so around blocks of code in this process, counting as its own this
+process, its live descendants (the ranks a :class:`mgtutor.Pool` started) and the children they
+reaped. A rank can do the same around one step of its own (:mod:`~mgtutor.measure.step_check`
+does, with :func:`time.process_time` as the rank's own).
+
+What it cannot see: a CPU quota without an affinity mask (Docker's ``--cpus``; the CPUs are all
+shown, and work on the others counts as other work), and, on macOS, reaped children's time
+(psutil reports none there; it then counts as other work). Both err towards calling a machine
+busy.
 """
 
 from __future__ import annotations
 
 import time
 
-__all__ = ["OtherWork"]
+__all__ = ["OtherWork", "busy_seconds"]
 
 
-def _busy_seconds() -> float:
-    """CPU seconds the machine's CPUs have spent busy, all processes together."""
+def _cpus() -> list[int] | None:
+    """The CPUs this process may run on, where the platform says (Linux); None: all of them."""
+    import os
+
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return None
+
+
+def busy_seconds() -> float:
+    """CPU seconds the CPUs this process may run on have spent busy, all processes together."""
     import psutil
 
-    t = psutil.cpu_times()
-    total = sum(t)
-    for guest in ("guest", "guest_nice"):  # Linux counts these inside user and nice as well
-        total -= getattr(t, guest, 0.0)
-    return total - t.idle - getattr(t, "iowait", 0.0)
+    cpus = _cpus()
+    every = psutil.cpu_times(percpu=True)
+    total = 0.0
+    for i, t in enumerate(every):
+        if cpus is not None and i not in cpus:
+            continue
+        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0)
+        for guest in ("guest", "guest_nice"):  # Linux counts these inside user and nice as well
+            busy -= getattr(t, guest, 0.0)
+        total += busy
+    return total
 
 
 def _own_seconds() -> float:
@@ -62,14 +82,14 @@ class OtherWork:
         self._start: tuple[float, float, float] | None = None
 
     def __enter__(self) -> OtherWork:
-        self._start = (time.perf_counter(), _busy_seconds(), _own_seconds())
+        self._start = (time.perf_counter(), busy_seconds(), _own_seconds())
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self._start is not None, "OtherWork: __exit__ without __enter__"
         wall, busy, own = self._start
         own_now = _own_seconds()
-        busy_now = _busy_seconds()
+        busy_now = busy_seconds()
         self.wall += time.perf_counter() - wall
         self.cpu += max((busy_now - busy) - (own_now - own), 0.0)
         self._start = None

@@ -157,8 +157,8 @@ def test_the_link_fit_keeps_the_small_messages_latency():
 
 
 def test_a_configuration_is_asserted_only_while_other_work_leaves_the_ranks_alone():
-    # crowding: the cores other work held beyond those the 2 ranks leave free.
-    assert step_check.Measured("DDP, 2 ranks", None, [1.0]).asserted
+    # crowding: the CPU other work used during the steps, in cores; unmeasured is never asserted.
+    assert not step_check.Measured("DDP, 2 ranks", None, [1.0]).asserted
     assert step_check.Measured("x", None, [1.0], crowding=step_check.CROWDED).asserted
     assert not step_check.Measured("x", None, [1.0], crowding=step_check.CROWDED + 0.01).asserted
 
@@ -180,15 +180,33 @@ def test_other_work_leaves_out_this_process_and_its_children():
     child = subprocess.Popen([sys.executable, "-c", SPIN + "time.sleep(60)"])
     try:
         other = other_work.OtherWork()
-        busy = other_work._busy_seconds()
+        busy = other_work.busy_seconds()
         with other:
             while sum(psutil.Process(child.pid).cpu_times()[:2]) < 1.0:
                 time.sleep(0.02)
-        busy = other_work._busy_seconds() - busy
+        busy = other_work.busy_seconds() - busy
     finally:
         child.kill()
         child.wait()
     assert other.cpu <= busy - 0.9  # the child's second left out (clock ticks of 10 ms)
+
+
+def test_other_work_leaves_out_the_children_it_reaped():
+    # A child that ran and was reaped inside the block is this process's own too: its time
+    # reaches the parent's children_user/children_system (psutil reports none on macOS).
+    import subprocess
+    import sys
+
+    from mgtutor.measure import other_work
+
+    if sys.platform == "darwin":
+        pytest.skip("psutil reports no reaped children's time on macOS: it counts as other work")
+    other = other_work.OtherWork()
+    busy = other_work.busy_seconds()
+    with other:
+        subprocess.run([sys.executable, "-c", SPIN], check=True)
+    busy = other_work.busy_seconds() - busy
+    assert other.cpu <= busy - 0.9
 
 
 def test_other_work_counts_a_process_outside_this_tree():
@@ -215,20 +233,23 @@ def test_other_work_counts_a_process_outside_this_tree():
 @pytest.mark.repeats_notebook("18_step_time.ipynb")  # its check cell asserts the same bound
 def test_cpu_ranks_predicted_within_the_bound():
     # Calibrate this machine's 2 CPU ranks, predict, then measure the five configurations of
-    # issue 35, interleaved. Each configuration is held to 25% where other work took at most a
-    # quarter of a core from the ranks while its steps ran (step_check.CROWDED, counted by
-    # OtherWork during them, not read from a load average before); the test skips where other
-    # work crowded all of them. On torch 2.4 the pipelines are left out (step_check.runnable():
+    # issue 35, interleaved. Each configuration is held to 25% where other work used at most
+    # step_check.CROWDED of a core during its timed steps (counted by the ranks around each
+    # step, not read from a load average before); the test skips where other work crowded the
+    # calibration or every configuration of 2 ranks (one process alone checks little beyond
+    # the calibration). On torch 2.4 the pipelines are left out (step_check.runnable():
     # a 2.4 PipelineStage needs example inputs).
     configs = step_check.runnable()
     with mgtutor.Pool(2, backend="gloo") as pool:
-        hardware = step_check.calibrate(pool)
+        hardware, crowding = step_check.calibrate_beside(pool)
         measured = step_check.check(pool, hardware, rounds=3, steps=2, configs=configs)
     report = "; ".join(f"{m.name}: {m.error:+.0%} (crowding {m.crowding:.2f})" for m in measured)
-    quiet = [m for m in measured if m.asserted]
+    if crowding > step_check.CROWDED:
+        pytest.skip(f"other work used {crowding:.2f} cores during the calibration: {report}")
+    quiet = [m for m in measured if m.asserted and m.name != "one process"]
     if not quiet:
-        pytest.skip(f"other work crowded the ranks in every configuration: {report}")
-    assert all(abs(m.error) <= step_check.TOLERANCE for m in quiet), report
+        pytest.skip(f"other work crowded every configuration of 2 ranks: {report}")
+    assert all(abs(m.error) <= step_check.TOLERANCE for m in measured if m.asserted), report
 
 
 def _ddp_grads_share_a_bucket(view: bool) -> bool:
