@@ -195,6 +195,18 @@ def _diagnose_shards(
                 else "together the readers must cover every index from 0 to n_samples - 1"
             ),
         )
+    # DistributedSampler pads with the first samples again (indices += indices[:padding],
+    # torch/utils/data/distributed.py): the reads beyond one per sample must be exactly those.
+    extra = sorted(s for s, who in readers.items() for _ in who[1:])
+    expected = sorted(i % n for i in range(n, n + padding))
+    if extra and extra != expected:
+        return make_finding(
+            case,
+            f"every sample was read, and {extra} again, where DistributedSampler's padding reads "
+            f"{expected} again",
+            "pad as DistributedSampler does, with the first samples again: the padded order is "
+            "sample i % n_samples for i in range(ceil(n_samples / world_size) * world_size)",
+        )
     if None not in batches and len(set(batches)) > 1:
         by_rank = ", ".join(f"rank {r} {b}" for r, b in enumerate(batches))
         return make_finding(

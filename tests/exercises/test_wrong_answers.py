@@ -111,6 +111,11 @@ TABLE = [
         (w.shards_unpadded,),
         ("11 samples", "different batch counts: rank 0 4, rank 1 3", "pad"),
     ),
+    Row(
+        "shard_indices",
+        (w.shards_padded_with_the_last,),
+        ("11 samples", "[10] again", "padding reads [0] again", "the first samples again"),
+    ),
     # notebook 07
     Row("assign_buckets", (w.buckets_in_forward_order,), ("forward order", "in reverse")),
     Row(

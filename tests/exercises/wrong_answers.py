@@ -419,6 +419,13 @@ def shards_unpadded(n_samples, rank, world_size, worker_id, num_workers):
     return list(range(rank, n_samples, world_size))[worker_id::num_workers]
 
 
+def shards_padded_with_the_last(n_samples, rank, world_size, worker_id, num_workers):
+    """Every rank alike, but padded with the last sample, not the first as DistributedSampler."""
+    per_rank = -(-n_samples // world_size)
+    padded = list(range(n_samples)) + [n_samples - 1] * (per_rank * world_size - n_samples)
+    return padded[rank::world_size][worker_id::num_workers]
+
+
 def shards_nothing(n_samples, rank, world_size, worker_id, num_workers):
     return range(n_samples)
 
