@@ -5,8 +5,8 @@ predict, measure, print (what notebook 18's check cells and tests/plan/test_step
 ``matmul``: at a bare product's FLOP/s; ``back-to-back``: the collectives timed back to back
 (each predicts too fast); ``calibrated-latency``: every step at the calibration's per-call
 latencies, not re-timed before it. Exits 1 where a configuration other work left alone
-missed the bound, 2 where other work crowded the calibration or every configuration (nothing
-checked).
+missed the bound, 2 where other work crowded the calibration or every configuration of 2 ranks
+(nothing checked beyond the calibration).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> None:
             + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in m.predicted.parts.items() if v)
         )
     quiet = [m for m in measured if m.asserted] if crowding <= CROWDED else []
-    if not quiet:
+    if not [m for m in quiet if m.name != "one process"]:  # one alone checks the calibration
         print(f"NOT CHECKED: other work used more than {CROWDED} cores beside the ranks")
         raise SystemExit(2)
     within = all(abs(m.error) <= TOLERANCE for m in quiet)

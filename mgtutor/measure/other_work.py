@@ -15,7 +15,9 @@ does, with :func:`time.process_time` as the rank's own).
 What it cannot see: a CPU quota without an affinity mask (Docker's ``--cpus``; the CPUs are all
 shown, and work on the others counts as other work), and, on macOS, reaped children's time
 (psutil reports none there; it then counts as other work). Both err towards calling a machine
-busy.
+busy. And one that errs the other way: work on CPUs outside the mask (a hyper-thread sibling of
+a rank's core under taskset, another cpuset) is not counted, though it can slow the ranks
+through the caches and memory they share.
 """
 
 from __future__ import annotations
