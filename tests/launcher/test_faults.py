@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import re
@@ -81,12 +82,16 @@ class SlowToUnpickle:
 
 
 def test_timeout_does_not_count_start_up_and_start_timeout_limits_it(start_method: str) -> None:
+    started = time.monotonic()
     run = mgtutor.launch(lambda arg: "ran", SlowToUnpickle(4), world_size=2, timeout=2)
     assert run.results == ["ran", "ran"]
+    took = time.monotonic() - started
 
     # A spawned rank imports torch before it reads fn (seconds on a busy machine): give it
-    # time to get to the unpickling, which start_timeout must also stop.
-    limit = 2 if start_method == "forkserver" else 20
+    # time to get to the unpickling, which start_timeout must also stop. The launch above took
+    # its start-up plus 4 s of unpickling: that much again gets a rank past its imports at this
+    # machine's present speed.
+    limit = 2 if start_method == "forkserver" else max(2, math.ceil(took))
     with pytest.raises(mgtutor.WorkerTimeout, match=f"after start_timeout={limit} s") as info:
         mgtutor.launch(lambda arg: "ran", SlowToUnpickle(60), world_size=2, start_timeout=limit)
     stack = info.value.stacks[0]
