@@ -47,6 +47,7 @@ from mgtutor.measure.timing import STEP, PhaseRecord, StepTimer, timer
 __all__ = ["Collective", "RankTrace", "merge_traces", "record_trace", "write_trace"]
 
 BARRIER = "mgtutor: barrier (the clocks' zero)"
+CLOSING = "mgtutor: closing barrier (every collective's event closed)"
 # torch 2.11's profiler warns at every start that a profiler "clears events at the end of each
 # cycle" (profiler.py, prepare_trace; 2.14 only when one object is started twice): every rank
 # printed it in a cell. record_trace starts each profiler once, so the warning never applies.
@@ -197,11 +198,11 @@ def _unix_minus_perf() -> float:
 def record_trace(step_timer: StepTimer | None = None) -> Iterator[RankTrace]:
     """Profile the block on this rank with ``torch.profiler``; the trace fills in at its end.
 
-    Every rank must enter it (it starts with a barrier, the zero of :func:`write_trace`'s
-    clock). The process group's collectives in the block become "allreduce" (and other)
-    records of ``step_timer`` (the default timer if None), numbered by the step they were
-    launched in;
-    the timer's own records of the block are added to the trace.
+    Every rank must enter it and leave it: it starts with a barrier (the zero of
+    :func:`write_trace`'s clock) and ends with one, which waits for the collectives launched in
+    the block to finish. The process group's collectives in the block become "allreduce" (and
+    other) records of ``step_timer`` (the default timer if None), numbered by the step they were
+    launched in; the timer's own records of the block are added to the trace.
 
     Args:
         step_timer: the timer to exchange records with.
@@ -234,17 +235,29 @@ def record_trace(step_timer: StepTimer | None = None) -> Iterator[RankTrace]:
         with warnings.catch_warnings():  # only around the start: the block's own warnings show
             warnings.filterwarnings("ignore", message=_CYCLE_WARNING, category=UserWarning)
             prof = stack.enter_context(profile(activities=activities, record_shapes=True))
-        with record_function(BARRIER):
+
+        def barrier() -> None:
             if backend == "nccl":
                 dist.barrier(device_ids=[torch.cuda.current_device()])
             elif joined:
                 dist.barrier()
+
+        with record_function(BARRIER):
+            barrier()
         begun = time.perf_counter()
         yield trace
         ended = time.perf_counter()
+        # Gloo marks a collective's result ready, then closes its profiler event: a caller that
+        # waited on the result (DDP does) can reach the end of the block first, and the profile
+        # then holds that event open (torch 2.4: zero duration, no shapes). Gloo's barrier waits
+        # for every collective queued or running when it was called, each to its close
+        # (ProcessGroupGloo.cpp, barrier's "priorWork"; torch 2.4-2.15).
+        with record_function(CLOSING):
+            barrier()
     offset_after = _unix_minus_perf()
     trace.events = _read_events(prof, trace.rank)
     trace.barrier_end = max(e["ts"] + e["dur"] for e in trace.events if e["name"] == BARRIER)
+    closing = min(e["ts"] for e in trace.events if e["name"] == CLOSING)
 
     def to_perf(unix_us: float) -> float:  # the timer's clock, the offset interpolated
         share = (unix_us / 1e6 - offset_before - begun) / max(ended - begun, 1e-9)
@@ -263,8 +276,8 @@ def record_trace(step_timer: StepTimer | None = None) -> Iterator[RankTrace]:
     trace.events.append(_thread_name(trace.rank, _PHASES_TID, "mgtutor.step() / phase()"))
     steps = [r for r in step_timer.records() if r.name == STEP]
     for c in trace.collectives():
-        if c.start < trace.barrier_end:
-            continue  # the barrier's own
+        if c.start < trace.barrier_end or (c.start if c.launched is None else c.launched) > closing:
+            continue  # the barriers' own
         # From the caller's launch (where the trace holds it) to gloo's completion, as a hook
         # would time it: time queued for gloo's threads included.
         start, end = to_perf(c.start if c.launched is None else c.launched), to_perf(c.end)

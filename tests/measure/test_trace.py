@@ -96,6 +96,25 @@ def test_merged_file_has_a_track_per_rank_on_one_clock(traced, tmp_path) -> None
     assert min(e["ts"] + e["dur"] for e in barriers) == pytest.approx(0, abs=1)
 
 
+def _unwaited_all_reduce() -> list:
+    import torch
+    import torch.distributed as dist
+
+    mgtutor.setup()
+    with mgtutor.record_trace() as trace:
+        # Launched and never waited on: the block ends while gloo is still at work on it.
+        dist.all_reduce(torch.ones(2**22), async_op=True)
+    return [(c.nbytes, c.end > c.start) for c in trace.collectives("all_reduce")]
+
+
+def test_a_collective_still_running_when_the_block_ends_is_recorded_closed() -> None:
+    # Without record_trace's closing barrier the profile stopped with the event open. Counterfactual
+    # run here: torch 2.4 recorded it with zero duration and no shapes, 2.15 left it out of one
+    # rank's trace once in three, and on 2.14 a rank aborted at exit with the work unfinished.
+    run = mgtutor.launch(_unwaited_all_reduce, world_size=2)
+    assert run.results == [[(4 * 2**22, True)]] * 2
+
+
 def test_ranks_on_several_machines_are_each_zeroed_at_their_barrier(traced) -> None:
     traces = [r["trace"] for r in traced.results]
     elsewhere = RankTrace(1, traces[1].host + "-other", "gloo", traces[1].barrier_end,
