@@ -353,9 +353,9 @@ def test_next_launch_works_after_a_failure() -> None:
 
 
 def test_repeated_launches_leak_no_processes_and_no_descriptors(start_method: str) -> None:
-    # Fifty from the forkserver; four spawned (each imports torch, ~4 s): a descriptor or process
+    # Fifty from the forkserver; two spawned (each imports torch, ~4 s): a descriptor or process
     # left per launch shows after one.
-    launches = 50 if start_method == "forkserver" else 4
+    launches = 50 if start_method == "forkserver" else 2
     mgtutor.launch(lambda: None, world_size=2)  # warm-up: the resource tracker starts once
     fds = open_fds()
     pids = set()
