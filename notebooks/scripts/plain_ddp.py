@@ -3,8 +3,11 @@
 Run it either way (the same seeds give the same losses, to rounding: with more than one worker
 torchrun sets OMP_NUM_THREADS=1, mp.spawn leaves torch's default thread count):
 
-    torchrun --standalone --nproc-per-node=2 plain_ddp.py    # torchrun starts the workers
-    python plain_ddp.py --spawn 2                            # mp.spawn starts them
+    torchrun --standalone --local-addr=127.0.0.1 --nproc-per-node=2 plain_ddp.py  # torchrun
+    python plain_ddp.py --spawn 2                                                  # mp.spawn
+
+(--local-addr=127.0.0.1: without it the workers' MASTER_ADDR is this machine's name, which
+reaches it only where the name resolves.)
 
 Each worker: join the process group, pick its device, wrap the model in DDP, read its shard
 of the data through a DistributedSampler, train, leave the process group.
@@ -53,7 +56,7 @@ def main(local_rank, world_size):
     # torchrun sets RANK; mp.spawn sets nothing, and on one machine rank == local_rank.
     rank = int(os.environ.get("RANK", local_rank))
     if rank == 0:
-        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS")
+        names = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS", "MASTER_ADDR")
         seen = {name: os.environ.get(name) for name in names}
         print(f"rank 0 environment: {seen}", flush=True)
 
