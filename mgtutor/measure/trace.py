@@ -276,11 +276,12 @@ def record_trace(step_timer: StepTimer | None = None) -> Iterator[RankTrace]:
     trace.events.append(_thread_name(trace.rank, _PHASES_TID, "mgtutor.step() / phase()"))
     steps = [r for r in step_timer.records() if r.name == STEP]
     for c in trace.collectives():
-        if c.start < trace.barrier_end or (c.start if c.launched is None else c.launched) > closing:
-            continue  # the barriers' own
         # From the caller's launch (where the trace holds it) to gloo's completion, as a hook
         # would time it: time queued for gloo's threads included.
-        start, end = to_perf(c.start if c.launched is None else c.launched), to_perf(c.end)
+        launched = c.start if c.launched is None else c.launched
+        if c.start < trace.barrier_end or launched > closing:
+            continue  # the barriers' own
+        start, end = to_perf(launched), to_perf(c.end)
         name = c.name.split(":", 1)[1].replace("_", "")  # "all_reduce" -> "allreduce"
         step = _step_of(start, steps, step_timer)
         step_timer.add(PhaseRecord(name, step, start, end, nbytes=c.nbytes))
