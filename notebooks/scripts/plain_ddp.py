@@ -125,7 +125,8 @@ def pin_gloo_to_loopback(world_size):
     # Linux, "lo0" on macOS. Across machines, set GLOO_SOCKET_IFNAME to the network's interface.
     # Whether every rank is here is told by the worker counts, not by MASTER_ADDR: torchrun
     # --standalone sets MASTER_ADDR to --local-addr, else this machine's name (socket.getfqdn() in
-    # _NodeDescGenerator.generate, torch 2.14.1's distributed/elastic/rendezvous/dynamic_rendezvous.py).
+    # _NodeDescGenerator.generate, torch 2.14.1's
+    # distributed/elastic/rendezvous/dynamic_rendezvous.py).
     if "GLOO_SOCKET_IFNAME" in os.environ:
         return
     if int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) != world_size:
