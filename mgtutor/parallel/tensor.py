@@ -124,6 +124,14 @@ def _piece(tensor: torch.Tensor, dim: int, rank: int, world: int, what: str) -> 
     return tensor.detach().chunk(world, dim)[rank].clone()
 
 
+def _choice(name: str, value: object, allowed: tuple[object, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(
+            f"{name}={value!r} is not one of {', '.join(map(repr, allowed))}: a misspelt option "
+            f"would otherwise run the layer with the wrong collective, or none"
+        )
+
+
 class ColumnParallelLinear(nn.Module):
     """Rank r computes outputs r of ``linear``: ``x @ W_r.T + b_r``, its rows of W and b.
 
@@ -136,6 +144,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, enter: str | None = "copy") -> None:
         super().__init__()
+        _choice("enter", enter, ("copy", "gather", None))
         rank, world = _world()
         self.enter = enter
         self.rows = (rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
@@ -162,6 +171,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, leave: str = "reduce") -> None:
         super().__init__()
+        _choice("leave", leave, ("reduce", "scatter"))
         rank, world = _world()
         self.leave = leave
         self.cols = (rank * linear.in_features // world, (rank + 1) * linear.in_features // world)

@@ -536,3 +536,14 @@ def test_linears_without_bias_split_too(measured):
         errors = result["without bias"]
         assert set(errors) == {"out", "up.weight", "down.weight"}
         assert max(errors.values()) < 1e-12, errors
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: tp.ColumnParallelLinear(nn.Linear(4, 4), enter="gathr"),
+             lambda: tp.RowParallelLinear(nn.Linear(4, 4), leave="scater")],
+    ids=["enter", "leave"],
+)
+def test_a_misspelt_option_is_refused_before_anything_runs(make):
+    # Before the check "gathr" ran the layer with no collective and "scater" all-reduced.
+    with pytest.raises(ValueError, match="is not one of"):
+        make()
