@@ -34,6 +34,7 @@ __all__ = [
     "WorkerTimeout",
     "WorkerInterrupted",
     "PicklingError",
+    "PoolClosed",
     "FULL_TRACEBACK_ENV",
     "in_mgtutor",
     "strip_ansi",
@@ -151,6 +152,13 @@ class PicklingError(_MessageFirst, pickle.PicklingError):
 
     A :class:`pickle.PicklingError`, so ``except pickle.PicklingError`` catches it; its message
     names the variable or argument that holds what cannot be pickled.
+    """
+
+
+class PoolClosed(_MessageFirst, RuntimeError):
+    """A pool was used after ``pool.close()`` or :func:`mgtutor.shutdown` ended its ranks.
+
+    A :class:`RuntimeError`; in a notebook it shows its message first, like the other errors here.
     """
 
 

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from mgtutor.doctor import DUMP_PATH_ENV
-from mgtutor.errors import ArgumentError
+from mgtutor.errors import ArgumentError, PoolClosed
 from mgtutor.launcher import (
     _arguments,
     _cleanup,
@@ -314,7 +314,10 @@ class Pool:
     ) -> Run:
         """Send one pickled call to ``targets``, wait for their answers, build the Run."""
         if self.closed:
-            raise RuntimeError("this pool is closed; make a new one, or call pool.restart()")
+            raise PoolClosed(
+                "this pool is closed (pool.close() or mgtutor.shutdown() ended its ranks): make a "
+                "new one with mgtutor.Pool(...), or call pool.restart()"
+            )
         started = self._prepare_call()
         supervisor = self._supervisor
         assert supervisor is not None

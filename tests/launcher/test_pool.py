@@ -223,10 +223,17 @@ def test_bad_arguments_are_refused_before_anything_starts() -> None:
         mgtutor.Pool(world_size=0)
     with pytest.raises(ValueError, match="start_method must be one of"):
         mgtutor.Pool(start_method="fork")
+
+
+def test_a_closed_pool_says_so_message_first() -> None:
     closed = mgtutor.Pool.__new__(mgtutor.Pool)
     closed.closed = True
-    with pytest.raises(RuntimeError, match="this pool is closed"):
+    with pytest.raises(RuntimeError, match="this pool is closed") as info:
         closed._call(b"", [0], None)
+    # In a notebook: the message, then the caller's lines; none of mgtutor's own frames.
+    shown = info.value._render_traceback_()
+    assert shown[0].startswith("PoolClosed: this pool is closed")
+    assert not any("mgtutor" + os.sep + "launcher" in line for line in shown)
 
 
 def test_the_ranks_end_when_the_notebook_process_dies(tmp_path) -> None:
