@@ -57,7 +57,7 @@ import os
 import sys
 
 from mgtutor.checkpoint import load_checkpoint, save_checkpoint
-from mgtutor.errors import ArgumentError, WorkerError, WorkerInterrupted, WorkerTimeout
+from mgtutor.errors import ArgumentError, PoolClosed, WorkerError, WorkerInterrupted, WorkerTimeout
 from mgtutor.hardware import HardwareInfo, describe_hardware
 from mgtutor.interactive import Experiment
 from mgtutor.launcher.launch import launch
@@ -88,6 +88,7 @@ __all__ = [
     "MemoryStats",
     "PhaseRecord",
     "Pool",
+    "PoolClosed",
     "RankResult",
     "Run",
     "StepTimer",

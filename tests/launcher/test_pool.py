@@ -228,7 +228,7 @@ def test_bad_arguments_are_refused_before_anything_starts() -> None:
 def test_a_closed_pool_says_so_message_first() -> None:
     closed = mgtutor.Pool.__new__(mgtutor.Pool)
     closed.closed = True
-    with pytest.raises(RuntimeError, match="this pool is closed") as info:
+    with pytest.raises(mgtutor.PoolClosed, match="this pool is closed") as info:
         closed._call(b"", [0], None)
     # In a notebook: the message, then the caller's lines; none of mgtutor's own frames.
     shown = info.value._render_traceback_()
