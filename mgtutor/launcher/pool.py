@@ -314,10 +314,8 @@ class Pool:
     ) -> Run:
         """Send one pickled call to ``targets``, wait for their answers, build the Run."""
         if self.closed:
-            raise PoolClosed(
-                "this pool is closed (pool.close() or mgtutor.shutdown() ended its ranks): make a "
-                "new one with mgtutor.Pool(...), or call pool.restart()"
-            )
+            raise PoolClosed("this pool is closed (by pool.close() or mgtutor.shutdown()): make "
+                             "a new one with mgtutor.Pool(...), or call pool.restart()")
         started = self._prepare_call()
         supervisor = self._supervisor
         assert supervisor is not None
