@@ -215,12 +215,19 @@ def failed_note(h: RankHandle, primary: RankHandle | None) -> str:
 
     Failing after the rank the error is about, it most often failed because of it (gloo's
     "Connection closed by peer" when that rank's process ended): it is said to be a consequence.
+    Failing with the primary's own error (both ranks ran into the same bug), it failed on its own.
     """
     error = h.error
     assert error is not None
-    after = primary is not None and (h.failed_at or 0.0) > (primary.failed_at or 0.0)
-    how = f"then failed, a consequence of rank {primary.rank}'s failure" if after else ""
     said = f"{error.exc_type}: {_first_line(error.message)}"
+    after = primary is not None and (h.failed_at or 0.0) > (primary.failed_at or 0.0)
+    cause = getattr(primary, "error", None)
+    same = cause is not None and f"{cause.exc_type}: {_first_line(cause.message)}" == said
+    how = ""
+    if after:
+        how = "then failed the same way" if same else (
+            f"then failed, a consequence of rank {primary.rank}'s failure"
+        )
     return f"rank {h.rank} {how or 'had already failed'} ({said})"
 
 

@@ -274,3 +274,18 @@ def test_the_cleanup_says_a_rank_that_failed_after_the_cause_failed_as_a_consequ
     )
     earlier = SimpleNamespace(rank=1, failed_at=3.0)
     assert _cleanup.failed_note(later, earlier).startswith("rank 0 had already failed (")
+
+
+def test_the_cleanup_does_not_call_the_same_error_on_another_rank_a_consequence() -> None:
+    # Both ranks ran into the same bug (fn never joined a process group): not a consequence.
+    bug = "Default process group has not been initialized, please make sure to call it."
+    cause = SimpleNamespace(
+        rank=0, failed_at=1.0, error=Failed(0, "ValueError", bug, "", None, "raised", 1.0)
+    )
+    later = SimpleNamespace(
+        rank=1, failed_at=2.0, error=Failed(1, "ValueError", bug, "", None, "raised", 2.0)
+    )
+    assert _cleanup.failed_note(later, cause) == (
+        "rank 1 then failed the same way (ValueError: Default process group has not been "
+        "initialized, please make sure to call it.)"
+    )
