@@ -12,6 +12,7 @@ read knowing only what lies under it. Units of one layer do not import each othe
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "mgtutor"
@@ -228,3 +229,18 @@ def test_no_two_modules_share_a_name() -> None:
     names = [path.name for path in PACKAGE.rglob("*.py") if path.name != "__init__.py"]
     twice = sorted({name for name in names if names.count(name) > 1})
     assert not twice, f"module names used twice: {twice}"
+
+
+def test_every_module_a_docstring_names_exists() -> None:
+    # :mod:`.name` (beside the file) and :mod:`mgtutor.x` (from the top) name real modules.
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        here = path.parent
+        for name in re.findall(r":mod:`~?([.\w]+)`", path.read_text()):
+            if name.startswith("."):
+                target = here / name[1:].replace(".", "/")
+            else:
+                target = PACKAGE.parent / name.replace(".", "/")
+            if not (target.with_suffix(".py").exists() or (target / "__init__.py").exists()):
+                missing.append(f"{path.relative_to(PACKAGE.parent)}: {name}")
+    assert not missing, "docstrings name modules that do not exist: " + ", ".join(missing)

@@ -31,7 +31,7 @@ Where things are: one module per exercise, named by its key (:mod:`.ring_average
 cases, what every rank runs for them, the diagnosis of each failure, and its ``EXERCISE``
 record (hints, and a pointer to its reference solution in :mod:`.solutions`). What they share:
 :mod:`.checking` (the notebook's side: recognize a stub, launch, judge), :mod:`.rank_side`
-(inside a rank: call the learner's function, compare, report) and :mod:`.result` (the
+(inside a rank: call the learner's function, compare, report) and :mod:`.check_result` (the
 :class:`CheckResult` a notebook shows).
 """
 
