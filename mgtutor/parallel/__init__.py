@@ -20,6 +20,10 @@
 * :mod:`.expert`: a top-k router, the all-to-all that dispatches tokens to their experts' ranks
   and combines them back, and a mixture-of-experts layer whose ranks hold only their experts
   (notebook 16).
+* :mod:`.lowcomm`: LocalSGD's and DiLoCo's one averaging all-reduce, and a slow link named by
+  its delay per byte, also as a DDP hook (notebook 19).
+* :mod:`.elastic`: replicas over a membership that changes mid-run: a TCPStore quorum, a fresh
+  gloo group per epoch, the state broadcast to a replica that rejoins (notebook 19).
 
 Where it stands: it imports nothing of mgtutor above it; what measures these modules
 (:mod:`mgtutor.measure.traffic`, :mod:`mgtutor.measure.activations`) imports them, and a

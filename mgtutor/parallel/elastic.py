@@ -1,0 +1,269 @@
+"""Replicas that die and come back: data parallelism over a membership that changes mid-run.
+
+Built by hand on torch's own primitives, the shape torchft gives it (notebook 19):
+
+* a :class:`torch.distributed.TCPStore`, hosted by the coordinator (:func:`run_replicas`, the
+  notebook's process), holds the *quorum*: an epoch number and its members. The coordinator
+  watches the replica processes; when one dies it publishes the next epoch without it, and when
+  it has been restarted, the next epoch with it again.
+* each epoch gets a fresh ``ProcessGroupGloo`` over a ``PrefixStore`` of its own: a gloo group
+  fixes its ranks and size when it is built, and after a peer has died its connections are
+  broken, so a group cannot shrink or grow; the prefix keeps each epoch's rendezvous keys apart.
+* each step, every member all-reduces its gradient with one more number appended: 1 if a
+  replica waits to join. The sum is the same on every member, so all agree on the step after
+  which the group grows. A member killed before its all-reduce makes the others' all-reduce
+  fail (none of them can finish without its share); they redo that step in the next epoch.
+* a new epoch starts with a broadcast from a survivor of the whole training state (parameters,
+  momentum, step, samples seen): the rejoining replica continues from the others' state.
+
+A step is committed when its all-reduce succeeded; the step and the samples seen advance only
+then, and the member of rank 0 writes the step's members into the store, once per step.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from mgtutor.build import rank_start_method
+
+__all__ = ["ElasticRun", "batch", "make_model", "replay", "run_replicas"]
+
+LR, MOMENTUM, FEATURES = 0.05, 0.9, 8
+
+
+def make_model() -> nn.Module:
+    """The replicas' model, the same initial weights in every process."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, 1)).double()
+
+
+def batch(step: int, slot: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch of the member in ``slot`` (its rank in the step's group) at global ``step``."""
+    g = torch.Generator().manual_seed(10_000 * step + slot)
+    x = torch.randn(size, FEATURES, generator=g, dtype=torch.float64)
+    return x, torch.sin(x.sum(1, keepdim=True))
+
+
+def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def _unflat(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+def _sgd_step(params: list[torch.Tensor], momenta: list[torch.Tensor], grads: torch.Tensor) -> None:
+    # SGD with momentum written out, so that its state is two tensors a broadcast can carry.
+    offset = 0
+    with torch.no_grad():
+        for p, m in zip(params, momenta):
+            g = grads[offset : offset + p.numel()].view_as(p)
+            m.mul_(MOMENTUM).add_(g)
+            p.sub_(LR * m)
+            offset += p.numel()
+
+
+def _quorum(store: dist.TCPStore, after: int, rid: int) -> dict:
+    while True:
+        quorum = json.loads(store.get("quorum"))
+        if quorum["epoch"] > after and rid in quorum["members"]:
+            return quorum
+        time.sleep(0.02)
+
+
+def _replica(rid: int, port: int, steps: int, size: int, die_at: int | None) -> None:
+    """One replica's life: join each quorum, train, and die (SIGKILL, before its all-reduce) at
+    the first step at or after ``die_at`` that it takes part in, or finish."""
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    model = make_model()
+    params = list(model.parameters())
+    momenta = [torch.zeros_like(p) for p in params]
+    step, samples, epoch = 0, 0, -1
+    while step < steps:
+        quorum = _quorum(store, epoch, rid)
+        epoch, members = quorum["epoch"], quorum["members"]
+        rank = members.index(rid)
+        group = dist.ProcessGroupGloo(
+            dist.PrefixStore(f"epoch{epoch}", store), rank, len(members), timedelta(seconds=20)
+        )
+        state = torch.cat([_flat(params), _flat(momenta), torch.tensor([step, samples])]).double()
+        opts = dist.BroadcastOptions()
+        opts.rootRank = members.index(quorum["source"])
+        group.broadcast([state], opts).wait()
+        with torch.no_grad():
+            _unflat(state[: -2], [*params, *momenta])
+        step, samples = int(state[-2]), int(state[-1])
+        while step < steps:
+            x, y = batch(step, rank, size)
+            model.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            joining = float(store.check(["join_request"]))
+            buffer = torch.cat([_flat([p.grad for p in params]), torch.tensor([joining]).double()])
+            if die_at is not None and step >= die_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            try:
+                group.allreduce([buffer]).wait()
+            except RuntimeError:
+                break  # a member died: wait for the coordinator's next quorum, redo this step
+            _sgd_step(params, momenta, buffer[:-1] / len(members))
+            if rank == 0:
+                store.add(f"commits/{step}", 1)
+                store.set(f"members/{step}", json.dumps(members))
+                store.set("step", str(step + 1))
+            step, samples = step + 1, samples + size * len(members)
+            if buffer[-1] > 0:
+                store.set(f"ack/{epoch}/{rid}", "1")
+                break
+    final = {"params": _flat(params).tolist(), "step": step, "samples": samples}
+    store.set(f"final/{rid}", json.dumps(final))
+
+
+@dataclass
+class ElasticRun:
+    """What :func:`run_replicas` saw.
+
+    Attributes:
+        members: each committed step's members, in step order (replica ids).
+        commits: how many times each step was committed (1 each when none is double-counted).
+        final: each replica's last state: ``params`` (a flat list), ``step``, ``samples``.
+        lives: how many processes each replica id ran.
+        deaths: (replica id, the step it died at) in order.
+    """
+
+    members: list[list[int]]
+    commits: list[int]
+    final: dict[int, dict]
+    lives: dict[int, int]
+    deaths: list[tuple[int, int]]
+
+
+def run_replicas(
+    replicas: int = 3,
+    steps: int = 30,
+    size: int = 8,
+    kills: Sequence[int] = (),
+    victim: int = 1,
+    rejoin_after: int = 3,
+    timeout: float = 120.0,
+) -> ElasticRun:
+    """Train ``replicas`` one-process replica groups for ``steps`` global steps; kill one.
+
+    Args:
+        replicas: how many replicas (processes) start.
+        steps: the global steps the run must commit.
+        size: each replica's batch size per step.
+        kills: for each life of ``victim`` in turn, the global step at which it dies (the first
+            step at or after it that this life takes part in: a restart may miss it).
+        victim: the replica id that dies.
+        rejoin_after: committed steps the survivors go on alone before the victim restarts.
+        timeout: seconds before the run is abandoned (every process then killed).
+
+    Returns:
+        An :class:`ElasticRun`.
+
+    Example:
+        >>> run = run_replicas(3, steps=20, kills=[5])
+        >>> run.members[5]   # [0, 2]: the survivors redid step 5 without replica 1
+    """
+    context = multiprocessing.get_context(rank_start_method())
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    epoch, members = 0, list(range(replicas))
+    store.set("quorum", json.dumps({"epoch": 0, "members": members, "source": 0}))
+    store.set("step", "0")
+    lives = {rid: 0 for rid in members}
+    deaths: list[tuple[int, int]] = []
+    pending = list(kills)
+
+    def start(rid: int) -> multiprocessing.process.BaseProcess:
+        die_at = pending.pop(0) if rid == victim and pending else None
+        process = context.Process(target=_replica, args=(rid, store.port, steps, size, die_at))
+        process.start()
+        lives[rid] += 1
+        return process
+
+    def publish(new_members: list[int], source: int) -> None:
+        nonlocal epoch, members
+        epoch, members = epoch + 1, sorted(new_members)
+        quorum = {"epoch": epoch, "members": members, "source": source}
+        store.set("quorum", json.dumps(quorum))
+
+    processes = {rid: start(rid) for rid in members}
+    restart_at: int | None = None
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.exitcode is None for p in processes.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the replicas did not finish {steps} steps in {timeout} s")
+            committed = int(store.get("step"))
+            for rid, process in processes.items():
+                if rid in members and process.exitcode not in (None, 0):
+                    deaths.append((rid, committed))
+                    publish([m for m in members if m != rid], min(m for m in members if m != rid))
+                    restart_at = committed + rejoin_after
+            if restart_at is not None and committed >= restart_at and committed < steps - 1:
+                restart_at = None
+                processes[victim] = start(victim)
+                store.set("join_request", "1")
+                acks = [f"ack/{epoch}/{m}" for m in members]
+                while not store.check(acks):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"replicas {members} never acknowledged the join")
+                    time.sleep(0.02)
+                store.delete_key("join_request")
+                publish([*members, victim], members[0])
+            time.sleep(0.02)
+    finally:
+        for process in processes.values():
+            if process.exitcode is None:
+                process.kill()
+            process.join()
+    final = {rid: json.loads(store.get(f"final/{rid}")) for rid in range(replicas)
+             if store.check([f"final/{rid}"])}
+    return ElasticRun(
+        members=[json.loads(store.get(f"members/{s}")) if store.check([f"members/{s}"]) else []
+                 for s in range(steps)],
+        commits=[store.add(f"commits/{s}", 0) for s in range(steps)],
+        final=final,
+        lives=lives,
+        deaths=deaths,
+    )
+
+
+def replay(members: Sequence[Sequence[int]], size: int = 8) -> torch.Tensor:
+    """The same training in one process: each step's gradient averaged over its members' batches.
+
+    Args:
+        members: each step's members, as :attr:`ElasticRun.members` records them.
+        size: each member's batch size.
+
+    Returns:
+        The flat parameters after the last step.
+    """
+    model = make_model()
+    params = list(model.parameters())
+    momenta = [torch.zeros_like(p) for p in params]
+    for step, group in enumerate(members):
+        grads = []
+        for slot in range(len(group)):
+            x, y = batch(step, slot, size)
+            model.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            grads.append(_flat([p.grad for p in params]))
+        _sgd_step(params, momenta, torch.stack(grads).sum(0) / len(group))
+    return _flat(params)
