@@ -86,11 +86,14 @@ def _quorum(store: dist.TCPStore, after: int, rid: int) -> dict:
         time.sleep(0.02)
 
 
-def _replica(rid: int, port: int, steps: int, size: int, die_at: int | None) -> None:
+def _replica(
+    rid: int, port: int, steps: int, size: int, die_at: int | None, step_seconds: float
+) -> None:
     """One replica's life: join each quorum, train, and die (SIGKILL, before its all-reduce) at
     the first step at or after ``die_at`` that it takes part in, or finish."""
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    store.add(f"ready/{rid}", 1)  # this life is started: the coordinator may ask to join
     model = make_model()
     params = list(model.parameters())
     momenta = [torch.zeros_like(p) for p in params]
@@ -113,6 +116,7 @@ def _replica(rid: int, port: int, steps: int, size: int, die_at: int | None) -> 
             x, y = batch(step, rank, size)
             model.zero_grad()
             F.mse_loss(model(x), y).backward()
+            time.sleep(step_seconds)
             joining = float(store.check(["join_request"]))
             buffer = torch.cat([_flat([p.grad for p in params]), torch.tensor([joining]).double()])
             if die_at is not None and step >= die_at:
@@ -160,6 +164,7 @@ def run_replicas(
     kills: Sequence[int] = (),
     victim: int = 1,
     rejoin_after: int = 3,
+    step_seconds: float = 0.05,
     timeout: float = 120.0,
 ) -> ElasticRun:
     """Train ``replicas`` one-process replica groups for ``steps`` global steps; kill one.
@@ -172,6 +177,8 @@ def run_replicas(
             step at or after it that this life takes part in: a restart may miss it).
         victim: the replica id that dies.
         rejoin_after: committed steps the survivors go on alone before the victim restarts.
+        step_seconds: seconds each step sleeps, standing in for compute, so that a restart
+            (a process start) costs the survivors a few steps rather than the whole run.
         timeout: seconds before the run is abandoned (every process then killed).
 
     Returns:
@@ -182,6 +189,8 @@ def run_replicas(
         >>> run.members[5]   # [0, 2]: the survivors redid step 5 without replica 1
     """
     context = multiprocessing.get_context(rank_start_method())
+    if rank_start_method() == "forkserver":  # a server that imported torch once forks each life
+        context.set_forkserver_preload(["torch", __name__])
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     epoch, members = 0, list(range(replicas))
     store.set("quorum", json.dumps({"epoch": 0, "members": members, "source": 0}))
@@ -192,7 +201,8 @@ def run_replicas(
 
     def start(rid: int) -> multiprocessing.process.BaseProcess:
         die_at = pending.pop(0) if rid == victim and pending else None
-        process = context.Process(target=_replica, args=(rid, store.port, steps, size, die_at))
+        args = (rid, store.port, steps, size, die_at, step_seconds)
+        process = context.Process(target=_replica, args=args)
         process.start()
         lives[rid] += 1
         return process
@@ -205,6 +215,7 @@ def run_replicas(
 
     processes = {rid: start(rid) for rid in members}
     restart_at: int | None = None
+    joining = False
     deadline = time.monotonic() + timeout
     try:
         while any(p.exitcode is None for p in processes.values()):
@@ -216,17 +227,20 @@ def run_replicas(
                     deaths.append((rid, committed))
                     publish([m for m in members if m != rid], min(m for m in members if m != rid))
                     restart_at = committed + rejoin_after
-            if restart_at is not None and committed >= restart_at and committed < steps - 1:
-                restart_at = None
+            if restart_at is not None and committed >= restart_at:
+                restart_at, joining = None, True
                 processes[victim] = start(victim)
-                store.set("join_request", "1")
-                acks = [f"ack/{epoch}/{m}" for m in members]
-                while not store.check(acks):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"replicas {members} never acknowledged the join")
-                    time.sleep(0.02)
-                store.delete_key("join_request")
-                publish([*members, victim], members[0])
+            if joining and store.add(f"ready/{victim}", 0) == lives[victim]:
+                store.set("join_request", "1")  # the members see it in their next all-reduce
+                if store.check([f"ack/{epoch}/{m}" for m in members]):
+                    store.delete_key("join_request")
+                    publish([*members, victim], members[0])
+                    joining = False
+                elif all(processes[m].exitcode is not None for m in members):
+                    raise RuntimeError(
+                        f"replicas {members} finished all {steps} steps before replica {victim} "
+                        "could rejoin: give the run more steps, or a larger step_seconds"
+                    )
             time.sleep(0.02)
     finally:
         for process in processes.values():
