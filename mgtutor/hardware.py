@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from mgtutor.build import Build
 
-__all__ = ["GpuInfo", "HardwareInfo", "RankPlace", "describe_hardware"]
+__all__ = ["GpuInfo", "HardwareInfo", "RankPlace", "describe_hardware", "loopback_interface"]
 
 
 @dataclass(frozen=True)
@@ -200,6 +200,21 @@ def agree_on_backend(store: Any, rank: int, world_size: int, place: RankPlace) -
     keys = [str(r) for r in range(world_size)]
     board.wait(keys)
     return choose_backend_for_job([RankPlace(**json.loads(board.get(key))) for key in keys])
+
+
+def loopback_interface() -> str | None:
+    """The name of the network interface that holds 127.0.0.1 ("lo" on Linux, "lo0" on macOS).
+
+    gloo picks its interface from ``GLOO_SOCKET_IFNAME``, or else from the address the hostname
+    resolves to, which on a laptop on a VPN may be one its peers cannot reach: ranks on one
+    machine pin it to this one.
+    """
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address == "127.0.0.1" for a in addrs):
+            return name
+    return None
 
 
 def usable_cores() -> int:

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from mgtutor.hardware import loopback_interface
 from mgtutor.launcher import lifetime
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._relay import RankOutput
@@ -110,15 +111,6 @@ def host_store(world_size: int) -> Any:
     return store_on_a_new_socket(use_libuv=False)
 
 
-def _loopback_interface() -> str | None:
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.address == "127.0.0.1" for a in addrs):
-            return name
-    return None
-
-
 @contextlib.contextmanager
 def main_not_reimported() -> Iterator[None]:
     """Keep spawn from re-running a script's top level in every worker.
@@ -165,7 +157,7 @@ def worker_environment(world_size: int, backend: str | None, port: int) -> dict[
     if INIT_BARRIER_ENV not in os.environ:
         # Also for a function that calls init_process_group or new_group itself, not setup().
         common[INIT_BARRIER_ENV] = "1"
-    loopback = _loopback_interface()
+    loopback = loopback_interface()
     if loopback:
         # One machine: keep gloo's and NCCL's own sockets on loopback too.
         for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):

@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mgtutor.build import rank_start_method
+from mgtutor.hardware import loopback_interface
 
 __all__ = ["ElasticRun", "batch", "make_model", "replay", "run_replicas"]
 
@@ -86,19 +87,31 @@ def _quorum(store: dist.TCPStore, after: int, rid: int) -> dict:
         time.sleep(0.02)
 
 
+def _join_pending(store: dist.TCPStore, step: int) -> bool:
+    # The coordinator writes "join_by" when it restarts a replica: from that step on, a member
+    # waits for the join request before its all-reduce, so that a slow restart (spawn, a fresh
+    # interpreter importing torch) delays the survivors rather than missing the run's end.
+    return store.check(["join_by"]) and step >= int(store.get("join_by"))
+
+
 def _replica(
-    rid: int, port: int, steps: int, size: int, die_at: int | None, step_seconds: float
+    rid: int, port: int, steps: int, size: int, die_at: int | None, step_seconds: float,
+    interface: str | None,
 ) -> None:
     """One replica's life: join each quorum, train, and die (SIGKILL, before its all-reduce) at
     the first step at or after ``die_at`` that it takes part in, or finish."""
     torch.set_num_threads(1)
+    if interface:  # gloo's sockets on loopback, as mgtutor's launcher pins them
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     store.add(f"ready/{rid}", 1)  # this life is started: the coordinator may ask to join
     model = make_model()
     params = list(model.parameters())
     momenta = [torch.zeros_like(p) for p in params]
-    step, samples, epoch = 0, 0, -1
-    while step < steps:
+    step, samples, epoch, grow = 0, 0, -1, False
+    # A member that agreed to a join goes to the next epoch even after the last step, so that
+    # the joiner gets its state (a join agreed at the last step would otherwise strand it).
+    while step < steps or grow:
         quorum = _quorum(store, epoch, rid)
         epoch, members = quorum["epoch"], quorum["members"]
         rank = members.index(rid)
@@ -111,12 +124,14 @@ def _replica(
         group.broadcast([state], opts).wait()
         with torch.no_grad():
             _unflat(state[: -2], [*params, *momenta])
-        step, samples = int(state[-2]), int(state[-1])
+        step, samples, grow = int(state[-2]), int(state[-1]), False
         while step < steps:
             x, y = batch(step, rank, size)
             model.zero_grad()
             F.mse_loss(model(x), y).backward()
             time.sleep(step_seconds)
+            while _join_pending(store, step) and not store.check(["join_request"]):
+                time.sleep(0.01)
             joining = float(store.check(["join_request"]))
             buffer = torch.cat([_flat([p.grad for p in params]), torch.tensor([joining]).double()])
             if die_at is not None and step >= die_at:
@@ -133,6 +148,7 @@ def _replica(
             step, samples = step + 1, samples + size * len(members)
             if buffer[-1] > 0:
                 store.set(f"ack/{epoch}/{rid}", "1")
+                grow = True
                 break
     final = {"params": _flat(params).tolist(), "step": step, "samples": samples}
     store.set(f"final/{rid}", json.dumps(final))
@@ -164,8 +180,10 @@ def run_replicas(
     kills: Sequence[int] = (),
     victim: int = 1,
     rejoin_after: int = 3,
+    join_within: int = 4,
     step_seconds: float = 0.05,
     timeout: float = 120.0,
+    start_method: str | None = None,
 ) -> ElasticRun:
     """Train ``replicas`` one-process replica groups for ``steps`` global steps; kill one.
 
@@ -177,19 +195,30 @@ def run_replicas(
             step at or after it that this life takes part in: a restart may miss it).
         victim: the replica id that dies.
         rejoin_after: committed steps the survivors go on alone before the victim restarts.
+        join_within: steps the survivors go on after the restart before they wait for the
+            joiner (at the latest at the run's last step): the join does not depend on how
+            fast a process starts.
         step_seconds: seconds each step sleeps, standing in for compute, so that a restart
             (a process start) costs the survivors a few steps rather than the whole run.
         timeout: seconds before the run is abandoned (every process then killed).
+        start_method: how the replica processes start; None is :func:`rank_start_method`
+            (forkserver on Linux, spawn on macOS).
 
     Returns:
         An :class:`ElasticRun`.
+
+    Raises:
+        RuntimeError: a replica died while rejoining, or the run ended without one of them
+            (killed too late to restart within ``steps``).
 
     Example:
         >>> run = run_replicas(3, steps=20, kills=[5])
         >>> run.members[5]   # [0, 2]: the survivors redid step 5 without replica 1
     """
-    context = multiprocessing.get_context(rank_start_method())
-    if rank_start_method() == "forkserver":  # a server that imported torch once forks each life
+    method = start_method or rank_start_method()
+    context = multiprocessing.get_context(method)
+    interface = loopback_interface()
+    if method == "forkserver":  # a server that imported torch once forks each life
         context.set_forkserver_preload(["torch", __name__])
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     epoch, members = 0, list(range(replicas))
@@ -201,7 +230,7 @@ def run_replicas(
 
     def start(rid: int) -> multiprocessing.process.BaseProcess:
         die_at = pending.pop(0) if rid == victim and pending else None
-        args = (rid, store.port, steps, size, die_at, step_seconds)
+        args = (rid, store.port, steps, size, die_at, step_seconds, interface)
         process = context.Process(target=_replica, args=args)
         process.start()
         lives[rid] += 1
@@ -230,9 +259,16 @@ def run_replicas(
             if restart_at is not None and committed >= restart_at:
                 restart_at, joining = None, True
                 processes[victim] = start(victim)
+                store.set("join_by", str(min(committed + join_within, steps - 1)))
+            if joining and processes[victim].exitcode not in (None, 0):
+                raise RuntimeError(
+                    f"replica {victim} died while rejoining (exit code "
+                    f"{processes[victim].exitcode})"
+                )
             if joining and store.add(f"ready/{victim}", 0) == lives[victim]:
                 store.set("join_request", "1")  # the members see it in their next all-reduce
                 if store.check([f"ack/{epoch}/{m}" for m in members]):
+                    store.delete_key("join_by")
                     store.delete_key("join_request")
                     publish([*members, victim], members[0])
                     joining = False
@@ -249,6 +285,12 @@ def run_replicas(
             process.join()
     final = {rid: json.loads(store.get(f"final/{rid}")) for rid in range(replicas)
              if store.check([f"final/{rid}"])}
+    if sorted(final) != list(range(replicas)):
+        missing = sorted(set(range(replicas)) - set(final))
+        raise RuntimeError(
+            f"the run ended without replicas {missing} (deaths {deaths}): a replica killed "
+            f"within rejoin_after={rejoin_after} steps of the end cannot come back"
+        )
     return ElasticRun(
         members=[json.loads(store.get(f"members/{s}")) if store.check([f"members/{s}"]) else []
                  for s in range(steps)],
