@@ -11,10 +11,15 @@ Built by hand on torch's own primitives, the shape torchft gives it (notebook 19
   broken, so a group cannot shrink or grow; the prefix keeps each epoch's rendezvous keys apart.
 * each step, every member all-reduces its gradient with one more number appended: 1 if a
   replica waits to join. The sum is the same on every member, so all agree on the step after
-  which the group grows. A member killed before its all-reduce makes the others' all-reduce
-  fail (none of them can finish without its share); they redo that step in the next epoch.
+  which the group grows. A member killed before its all-reduce (the only death exercised)
+  makes the others' all-reduce fail (none of them can finish without its share); they redo
+  that step in the next epoch.
 * a new epoch starts with a broadcast from a survivor of the whole training state (parameters,
   momentum, step, samples seen): the rejoining replica continues from the others' state.
+* when the coordinator restarts a replica it names a step (``join_by``) from which the members
+  wait for the join request before their all-reduce, so that the join does not depend on how
+  fast a process starts (a spawned one imports torch afresh); members that agreed to a join go
+  on to the next epoch even after the last step, so that the joiner still gets the state.
 
 A step is committed when its all-reduce succeeded; the step and the samples seen advance only
 then, and the member of rank 0 writes the step's members into the store, once per step.
