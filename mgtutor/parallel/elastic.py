@@ -263,8 +263,9 @@ def run_replicas(
                     restart_at = committed + rejoin_after
             if restart_at is not None and committed >= restart_at:
                 restart_at, joining = None, True
-                processes[victim] = start(victim)
+                # join_by before the start: survivors at the last step wait however slow it is
                 store.set("join_by", str(min(committed + join_within, steps - 1)))
+                processes[victim] = start(victim)
             if joining and processes[victim].exitcode not in (None, 0):
                 raise RuntimeError(
                     f"replica {victim} died while rejoining (exit code "
