@@ -20,6 +20,9 @@ Built by hand on torch's own primitives, the shape torchft gives it (notebook 19
   wait for the join request before their all-reduce, so that the join does not depend on how
   fast a process starts (a spawned one imports torch afresh); members that agreed to a join go
   on to the next epoch even after the last step, so that the joiner still gets the state.
+* at the last step the members wait, before their all-reduce, until the coordinator has acted
+  on every step before it (the ``decided`` key): a restart due by then has its ``join_by`` set,
+  so the join does not depend on how often the coordinator polls.
 
 A step is committed when its all-reduce succeeded; the step and the samples seen advance only
 then, and the member of rank 0 writes the step's members into the store, once per step.
@@ -99,6 +102,14 @@ def _join_pending(store: dist.TCPStore, step: int) -> bool:
     return store.check(["join_by"]) and step >= int(store.get("join_by"))
 
 
+def _await_decision(store: dist.TCPStore, step: int) -> None:
+    # The coordinator writes "decided" = the committed steps it has acted on (deaths, restarts)
+    # after each poll. At the last step a member waits for it to reach this step, so that a
+    # restart due now is written ("join_by") before the members could finish without it.
+    while int(store.get("decided")) < step:
+        time.sleep(0.01)
+
+
 def _replica(
     rid: int, port: int, steps: int, size: int, die_at: int | None, step_seconds: float,
     interface: str | None,
@@ -135,6 +146,8 @@ def _replica(
             model.zero_grad()
             F.mse_loss(model(x), y).backward()
             time.sleep(step_seconds)
+            if step == steps - 1:
+                _await_decision(store, step)
             while _join_pending(store, step) and not store.check(["join_request"]):
                 time.sleep(0.01)
             joining = float(store.check(["join_request"]))
@@ -214,7 +227,7 @@ def run_replicas(
 
     Raises:
         RuntimeError: a replica died while rejoining, or the run ended without one of them
-            (killed too late to restart within ``steps``).
+            (killed too late to restart within ``steps``; the message names the cause).
 
     Example:
         >>> run = run_replicas(3, steps=20, kills=[5])
@@ -229,6 +242,7 @@ def run_replicas(
     epoch, members = 0, list(range(replicas))
     store.set("quorum", json.dumps({"epoch": 0, "members": members, "source": 0}))
     store.set("step", "0")
+    store.set("decided", "-1")
     lives = {rid: 0 for rid in members}
     deaths: list[tuple[int, int]] = []
     pending = list(kills)
@@ -261,11 +275,12 @@ def run_replicas(
                     deaths.append((rid, committed))
                     publish([m for m in members if m != rid], min(m for m in members if m != rid))
                     restart_at = committed + rejoin_after
-            if restart_at is not None and committed >= restart_at:
+            if restart_at is not None and steps > committed >= restart_at:  # not once all is done
                 restart_at, joining = None, True
                 # join_by before the start: survivors at the last step wait however slow it is
                 store.set("join_by", str(min(committed + join_within, steps - 1)))
                 processes[victim] = start(victim)
+            store.set("decided", str(committed))  # after any join_by this poll wrote
             if joining and processes[victim].exitcode not in (None, 0):
                 raise RuntimeError(
                     f"replica {victim} died while rejoining (exit code "
@@ -293,10 +308,15 @@ def run_replicas(
              if store.check([f"final/{rid}"])}
     if sorted(final) != list(range(replicas)):
         missing = sorted(set(range(replicas)) - set(final))
-        raise RuntimeError(
-            f"the run ended without replicas {missing} (deaths {deaths}): a replica killed "
-            f"within rejoin_after={rejoin_after} steps of the end cannot come back"
-        )
+        if restart_at is not None and restart_at >= steps:
+            cause = (f"a replica killed within rejoin_after={rejoin_after} steps of the end "
+                     "cannot come back")
+        elif restart_at is not None:
+            cause = (f"its restart was due at step {restart_at}, but the survivors finished "
+                     "before the coordinator acted on it")
+        else:
+            cause = "it was restarted, but the survivors finished before it joined"
+        raise RuntimeError(f"the run ended without replicas {missing} (deaths {deaths}): {cause}")
     return ElasticRun(
         members=[json.loads(store.get(f"members/{s}")) if store.check([f"members/{s}"]) else []
                  for s in range(steps)],
