@@ -202,6 +202,7 @@ def run_replicas(
     step_seconds: float = 0.05,
     timeout: float = 120.0,
     start_method: str | None = None,
+    poll_seconds: float = 0.02,
 ) -> ElasticRun:
     """Train ``replicas`` one-process replica groups for ``steps`` global steps; kill one.
 
@@ -221,11 +222,15 @@ def run_replicas(
         timeout: seconds before the run is abandoned (every process then killed).
         start_method: how the replica processes start; None is :func:`rank_start_method`
             (forkserver on Linux, spawn on macOS).
+        poll_seconds: how often the coordinator looks at the processes and the store. The
+            members' waits make the run's outcome independent of it; a slower poll only
+            delays the restart (tests run it slower than a step to show that).
 
     Returns:
         An :class:`ElasticRun`.
 
     Raises:
+        ValueError: ``poll_seconds`` is not positive.
         RuntimeError: a replica died while rejoining, or the run ended without one of them
             (killed too late to restart within ``steps``; the message names the cause).
 
@@ -233,6 +238,8 @@ def run_replicas(
         >>> run = run_replicas(3, steps=20, kills=[5])
         >>> run.members[5]   # [0, 2]: the survivors redid step 5 without replica 1
     """
+    if not poll_seconds > 0:
+        raise ValueError(f"poll_seconds must be positive seconds, got {poll_seconds!r}")
     method = start_method or rank_start_method()
     context = multiprocessing.get_context(method)
     interface = loopback_interface()
@@ -298,7 +305,7 @@ def run_replicas(
                         f"replicas {members} finished all {steps} steps before replica {victim} "
                         "could rejoin: give the run more steps, or a larger step_seconds"
                     )
-            time.sleep(0.02)
+            time.sleep(poll_seconds)
     finally:
         for process in processes.values():
             if process.exitcode is None:
@@ -311,11 +318,12 @@ def run_replicas(
         if restart_at is not None and restart_at >= steps:
             cause = (f"a replica killed within rejoin_after={rejoin_after} steps of the end "
                      "cannot come back")
-        elif restart_at is not None:
-            cause = (f"its restart was due at step {restart_at}, but the survivors finished "
-                     "before the coordinator acted on it")
-        else:
-            cause = "it was restarted, but the survivors finished before it joined"
+        else:  # the members' waits (join_by, decided) should make these unreachable
+            cause = ("internal error, the members' last-step wait failed: "
+                     + (f"the restart due at step {restart_at} was never acted on"
+                        if restart_at is not None else
+                        "the replica was restarted, but the survivors finished before it "
+                        "joined"))
         raise RuntimeError(f"the run ended without replicas {missing} (deaths {deaths}): {cause}")
     return ElasticRun(
         members=[json.loads(store.get(f"members/{s}")) if store.check([f"members/{s}"]) else []
