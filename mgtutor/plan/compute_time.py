@@ -40,6 +40,7 @@ __all__ = [
     "layer_times",
     "logits_times",
     "matrix_params_per_layer",
+    "product_shapes",
 ]
 
 #: Bytes per element each memory-bound operation reads and writes, (forward, backward), in
@@ -161,6 +162,23 @@ def matrix_params_per_layer(model: Any) -> tuple[float, float]:
     return 4.0 * h * h, 2.0 * h * ffn
 
 
+def product_shapes(model: Any, tp: int = 1) -> tuple[list[tuple[int, int, int, float]], ...]:
+    """One layer's forward products on one of ``tp`` GPUs, each (rows, inner, cols, count):
+    the column-parallel ones (q-k-v, fc1; a gated MLP's two), the row-parallel ones (the
+    projection, fc2), and the attention core's two batched products (count: b·a/t). The backward
+    runs each as (rows, cols, inner) for the input gradient and (inner, rows, cols) for the
+    weight gradient."""
+    b, s, h, a = model.micro_batch, model.seq_len, model.hidden, model.heads
+    ffn, tokens, d = model.ffn or 4 * h, b * s, h // a
+    attn_params, mlp_params = matrix_params_per_layer(model)
+    qkv_cols = max(int((attn_params - h * h) / h) // tp, 1)
+    gated = mlp_params > 2.5 * h * ffn
+    first = [(tokens, h, qkv_cols, 1), (tokens, h, ffn // tp, 2 if gated else 1)]
+    second = [(tokens, h // tp, h, 1), (tokens, ffn // tp, h, 1)]
+    heads = b * a / tp
+    return first, second, [(s, d, s, heads), (s, s, d, heads)]  # q kᵀ, then scores times v
+
+
 @dataclass(frozen=True)
 class LayerTimes:
     """Seconds of one layer's work for one micro-batch on one GPU, by kind.
@@ -202,15 +220,10 @@ def layer_times(
     softmax or dropout on them) and the backward recomputes them (one product more).
     """
     b, s, h, a = model.micro_batch, model.seq_len, model.hidden, model.heads
-    ffn = model.ffn or 4 * h
-    tokens, d = b * s, h // a
-    attn_params, mlp_params = matrix_params_per_layer(model)
-    qkv_cols = max(int((attn_params - h * h) / h) // tp, 1)
-    gated = mlp_params > 2.5 * h * ffn
-    first = [(tokens, h, qkv_cols, 1), (tokens, h, ffn // tp, 2 if gated else 1)]
-    second = [(tokens, h // tp, h, 1), (tokens, ffn // tp, h, 1)]
+    ffn, tokens = model.ffn or 4 * h, b * s
+    first, second, core = product_shapes(model, tp)
+    gated = first[1][3] == 2
     heads = b * a / tp
-    core = [(s, d, s, heads), (s, s, d, heads)]  # q kᵀ, then the scores times v
 
     def fwd(shapes: list[tuple[int, int, int, float]]) -> float:
         return sum(gemm_seconds(device, precision, r, k, c, n) for r, k, c, n in shapes)
@@ -225,7 +238,7 @@ def layer_times(
     core_b = 2 * core_f + (core_f / 2 if attention == "flash" else 0.0)  # flash: q kᵀ again
     forward_matmul = fwd(first) + fwd(second) + core_f
     matmul = forward_matmul + dgrad(first + second) + wgrad(first + second) + core_b
-    whole = tokens / (tp if sequence_parallel else 1)
+    whole = tokens * h / (tp if sequence_parallel else 1)
     elements = {
         "layernorm": 2.0 * whole,
         "residual": 2.0 * whole,

@@ -74,19 +74,19 @@ def test_recomputation_reruns_the_forward_or_the_attention_core():
 
 
 def test_tp_splits_the_products_and_gelu_but_not_the_norms():
-    # No dropout, flash attention: norms and residual adds (44 bytes a token in bf16: 2 x (2+3)
-    # x 2 and 2 x (3+3) x 2) stay whole on every GPU; GeLU's 4h (10 bytes each) splits.
+    # No dropout, flash attention: norms and residual adds (44 bytes an element of h in bf16:
+    # 2 x (2+3) x 2 and 2 x (3+3) x 2) stay whole on every GPU; GeLU's 4h (10 bytes each) splits.
     model = Transformer(1, 4096, 32, 2048, 1)
     one, eight = (
         layer_times(model, ROUND, "mixed", t, attention="flash", dropout=False) for t in (1, 8)
     )
     assert eight.matmul == pytest.approx(one.matmul / 8, rel=0.05)
     tokens = 2048
-    assert one.memory == pytest.approx(tokens * (44 + 10 * 4 * 4096) / 1e12)
-    assert eight.memory == pytest.approx(tokens * (44 + 10 * 4 * 4096 / 8) / 1e12)
+    assert one.memory == pytest.approx(tokens * (44 * 4096 + 10 * 4 * 4096) / 1e12)
+    assert eight.memory == pytest.approx(tokens * (44 * 4096 + 10 * 4 * 4096 / 8) / 1e12)
     sp = layer_times(model, ROUND, "mixed", 8, sequence_parallel=True, attention="flash",
                      dropout=False)  # fmt: skip
-    assert sp.memory == pytest.approx(eight.memory - tokens * 44 * 7 / 8 / 1e12)
+    assert sp.memory == pytest.approx(eight.memory - tokens * 44 * 4096 * 7 / 8 / 1e12)
 
 
 def test_flop_conventions():
