@@ -235,7 +235,7 @@ def layer_times(
         return sum(gemm_seconds(device, precision, k, r, c, n) for r, k, c, n in shapes)
 
     core_f = fwd(core)
-    core_b = 2 * core_f + (core_f / 2 if attention == "flash" else 0.0)  # flash: q kᵀ again
+    core_b = dgrad(core) + wgrad(core) + (fwd(core[:1]) if attention == "flash" else 0.0)
     forward_matmul = fwd(first) + fwd(second) + core_f
     matmul = forward_matmul + dgrad(first + second) + wgrad(first + second) + core_b
     whole = tokens * h / (tp if sequence_parallel else 1)

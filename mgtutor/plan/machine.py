@@ -123,6 +123,9 @@ class Software:
         bucket_view: DDP's gradients are bucket views (no copies).
         optimizer: count the optimizer step.
         bucket_bytes: the gradient bucket reduced last (DDP's bucket_cap_mb).
+        first_bucket_bytes: the bucket reduced first (DDP's first bucket: 1 MiB by default,
+            ``dist._DEFAULT_FIRST_BUCKET_BYTES``): no reduction starts before its gradients,
+            the last layer's, are computed.
     """
 
     tp_overlap: str = "backward"
@@ -133,6 +136,7 @@ class Software:
     bucket_view: bool = False
     optimizer: bool = True
     bucket_bytes: int = DDP_BUCKET_BYTES
+    first_bucket_bytes: int = 2**20
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,9 @@ class StepTime:
     ``parts``: "matmul", "memory-bound", "tp" (exposed), "pp" (what sends add), "bubble",
     "dp" (exposed), "copies", "optimizer". ``hidden``: what overlap hid. ``tokens``: the tokens
     one step trains on all GPUs. ``flops``: the FLOPs one GPU runs (recomputation included).
+    ``details``: the data-parallel reduction's seconds ("dp_reduce"), what it may hide behind
+    ("dp_window": the last micro-batch's backward after its first bucket, x overlap) and its
+    last bucket's seconds ("dp_last_bucket"), for the CPU check's counterfactuals.
     """
 
     parts: dict[str, float]
@@ -151,6 +158,7 @@ class StepTime:
     flops: float = 0.0
     links: dict[str, str] = field(default_factory=dict)
     stage: int = 0
+    details: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:

@@ -25,7 +25,8 @@ model's shape, a :class:`~mgtutor.plan.machine.Hardware` and a
   A send carries b·s·h/t per GPU, all-gathered over the tensor-parallel group on arrival
   (Megatron-LM's scatter/gather, Narayanan et al. 2021 section 4.1), or b·s·h without it.
 * Data parallelism: gradients are reduced once per step, during the last micro-batch's backward
-  (``no_sync`` before it), so that backward alone hides them, and the last bucket not at all
+  (``no_sync`` before it) from its first bucket on, so that backward alone hides them, and the
+  last bucket not at all
   (Li et al., "PyTorch Distributed", VLDB 2020, section 3.2.3); Megatron-LM's 2021 local DDP
   reduces after the backward. ZeRO-2 reduce-scatters each micro-batch behind its backward;
   ZeRO-1/2 all-gather the parameters after the optimizer step. ZeRO-3 gathers each layer
@@ -207,9 +208,11 @@ def step_time(
     forward = [f + s for f, s in zip(forward, stall_f)]
     backward = [b + s for b, s in zip(backward, stall_b)]
     tails = []
+    buffer = max(buffers.get(reduce_name, 1), 1)
+    last = reduce * min(1.0, software.bucket_bytes / buffer)
+    after_first = 1 - min(1.0, software.first_bucket_bytes / buffer)  # of the last backward
     for s in range(p):
-        last = reduce * min(1.0, software.bucket_bytes / max(buffers.get(reduce_name, 1), 1))
-        hide = overlap * backward[s] if software.dp_overlap else 0.0
+        hide = overlap * backward[s] * after_first if software.dp_overlap else 0.0
         tails.append(tail_fixed + (max(reduce - hide, last) if reduce else 0.0))
     if reduce:
         dp_hidden += reduce - (tails[0] - tail_fixed)
@@ -248,7 +251,9 @@ def step_time(
     names = {g: "intra" if spans[g] <= node else "inter" for g in spans}
     flops = compute_flops(model, tokens, recompute) / gpus
     hidden = m * layers[r] * tp_hidden + dp_hidden
-    return StepTime(parts, hidden, tokens, gpus, flops, names, stage=r)
+    window = overlap * backward[r] * after_first if software.dp_overlap else 0.0
+    details = {"dp_reduce": reduce, "dp_window": window, "dp_last_bucket": last}
+    return StepTime(parts, hidden, tokens, gpus, flops, names, stage=r, details=details)
 
 
 def time_key(

@@ -77,10 +77,16 @@ def test_gradients_hide_behind_the_last_micro_batch_only():
     backward = 4 * (lt.matmul + lt.memory - lt.forward)
     grads = 4 * SMALL.total  # float32, a 2-rank ring sends it all
     slow = replace(ROUND, intra=Link(grads / (3 * backward)))
-    buckets = replace(NO_OPT, bucket_bytes=grads // 100)
+    buckets = replace(NO_OPT, bucket_bytes=grads // 100, first_bucket_bytes=0)
     t = step_time(_dp_plan(8), SMALL, slow, software=buckets)
     assert t.parts["dp"] == pytest.approx(2 * backward)
     assert t.hidden == pytest.approx(backward)
+    # Nothing is reduced before the first bucket's gradients exist: half the gradients in it,
+    # half the last backward hides nothing.
+    halves = replace(buckets, first_bucket_bytes=grads // 2)
+    assert step_time(_dp_plan(8), SMALL, slow, software=halves).parts["dp"] == pytest.approx(
+        2.5 * backward
+    )
     # Megatron-LM's 2021 local DDP reduces after the backward: all 3 exposed.
     late = replace(MEGATRON_2021, optimizer=False, bucket_bytes=grads // 100)
     assert step_time(_dp_plan(8), SMALL, slow, software=late).parts["dp"] == pytest.approx(
@@ -97,7 +103,7 @@ def test_the_last_bucket_waits_after_the_backward():
     backward = 4 * (lt.matmul + lt.memory - lt.forward)
     grads = 4 * SMALL.total
     quick = replace(ROUND, intra=Link(grads / (backward / 2)))  # the reduction: half a backward
-    sw = replace(NO_OPT, bucket_bytes=grads // 10)
+    sw = replace(NO_OPT, bucket_bytes=grads // 10, first_bucket_bytes=0)
     t = step_time(_dp_plan(1), SMALL, quick, software=sw)
     assert t.parts["dp"] == pytest.approx(backward / 2 / 10, rel=0.01)
 
@@ -117,7 +123,7 @@ def test_ddp_copies_for_zero_0_and_torch_s_zero_1_unless_bucket_views():
 def test_zero_1_gathers_parameters_after_the_step_and_zero_3_hides_gathers():
     p1 = plan(SMALL, 2, GB, dp=2, zero=1, precision="fp32")
     gather = 4 * SMALL.total / 2 / 100e9  # all-gather: (n-1)/n of the parameters
-    buckets = replace(NO_OPT, bucket_bytes=4 * SMALL.total // 1000)
+    buckets = replace(NO_OPT, bucket_bytes=4 * SMALL.total // 1000, first_bucket_bytes=0)
     t1 = step_time(p1, SMALL, ROUND, software=buckets)
     assert t1.parts["dp"] == pytest.approx(gather, rel=0.01)
     p3 = plan(SMALL, 2, GB, dp=2, zero=3, precision="fp32", micro_batches=4)
