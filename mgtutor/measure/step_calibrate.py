@@ -48,15 +48,38 @@ LONG_MODEL = Transformer(layers=1, hidden=128, heads=4, seq_len=1024, micro_batc
 
 
 def gemm_shapes(model: Transformer, tps: tuple[int, ...] = (1, 2)) -> list[tuple[int, ...]]:
-    """Every product a layer of ``model`` runs on one of ``tp`` ranks, forward and backward,
-    as (rows, inner, cols, count): the shapes :func:`calibrate` times."""
+    """Every product a layer of ``model`` runs on one of ``tp`` ranks, forward, as (rows, inner,
+    cols, count): :func:`calibrate` times each with its two backward products."""
     found: dict[tuple[int, int, int], int] = {}
     for tp in tps:
         first, second, core = product_shapes(model, tp)
         for r, k, c, n in first + second + core:
-            for shape in ((r, k, c), (r, c, k), (k, r, c)):
-                found.setdefault(shape, int(n))
+            found.setdefault((r, k, c), int(n))
     return [(*shape, n) for shape, n in found.items()]
+
+
+def _products(shape: tuple[int, ...]) -> dict[tuple[int, int, int], Any]:
+    """The three products of one forward product of ``shape``, as autograd runs them: keyed
+    (rows, inner, cols) forward, (rows, cols, inner) for the input's gradient and (inner, rows,
+    cols) for the weight's (a linear: ``x @ w.T``, ``g @ w``, ``g.T @ x``; the attention core:
+    batched, ``a @ b``, ``g @ b.T``, ``a.T @ g``)."""
+    import torch
+
+    rows, inner, cols, count = shape
+    if count > 1:
+        a, b = torch.randn(count, rows, inner), torch.randn(count, inner, cols)
+        g = torch.randn(count, rows, cols)
+        return {
+            (rows, inner, cols): lambda: torch.bmm(a, b),
+            (rows, cols, inner): lambda: torch.bmm(g, b.transpose(1, 2)),
+            (inner, rows, cols): lambda: torch.bmm(a.transpose(1, 2), g),
+        }
+    x, w, g = torch.randn(rows, inner), torch.randn(cols, inner), torch.randn(rows, cols)
+    return {
+        (rows, inner, cols): lambda: x @ w.T,
+        (rows, cols, inner): lambda: g @ w,
+        (inner, rows, cols): lambda: g.T @ x,
+    }
 
 
 def _fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
@@ -87,14 +110,7 @@ def seconds_per_call(fn: Any, min_seconds: float) -> float:
 
 
 def _gemm(shape: tuple[int, ...]) -> Any:
-    import torch
-
-    rows, inner, cols, count = shape
-    if count > 1:
-        a, b = torch.randn(count, rows, inner), torch.randn(count, inner, cols)
-        return lambda: torch.bmm(a, b)
-    a, b = torch.randn(rows, inner), torch.randn(inner, cols)
-    return lambda: a @ b
+    return _products(shape)[tuple(shape[:3])]
 
 
 def elementwise_timers(model: Transformer) -> dict[str, tuple[Any, int]]:
@@ -108,15 +124,24 @@ def elementwise_timers(model: Transformer) -> dict[str, tuple[Any, int]]:
     ffn = model.ffn or 4 * h
     x = torch.randn(b, s, h, requires_grad=True)
     y = torch.randn(b, s, h, requires_grad=True)
+    g = torch.randn(b, s, h)
     norm = torch.nn.LayerNorm(h)
     scores = torch.randn(b * a, s, s, requires_grad=True)
+    masked = scores.detach().clone()
     mask = torch.full((s, s), float("-inf")).triu(1)
+    g_scores = torch.randn(b * a, s, s)
     wide = torch.randn(b, s, ffn, requires_grad=True)
+    g_wide = torch.randn(b, s, ffn)
+
+    def softmax() -> None:  # the mask added in place, as GPTLayer does, then softmax both ways
+        masked.add_(mask)
+        F.softmax(scores, -1).backward(g_scores)
+
     return {
-        "layernorm": (lambda: norm(x).sum().backward(), b * s * h),
-        "residual": (lambda: (x + y).sum().backward(), b * s * h),
-        "softmax": (lambda: F.softmax(scores + mask, -1).sum().backward(), b * a * s * s),
-        "gelu": (lambda: F.gelu(wide).sum().backward(), b * s * ffn),
+        "layernorm": (lambda: norm(x).backward(g), b * s * h),
+        "residual": (lambda: (x + y).backward(g), b * s * h),
+        "softmax": (softmax, b * a * s * s),
+        "gelu": (lambda: F.gelu(wide).backward(g_wide), b * s * ffn),
     }
 
 
@@ -227,10 +252,10 @@ def _calibrate_rank(model: Transformer, sizes: list[int], window: float, calls: 
     rank = dist.get_rank()
     out: dict[str, Any] = {"gemm": {}, "elementwise": {}}
     for shape in gemm_shapes(model) + gemm_shapes(LONG_MODEL, (1,)):
-        rows, inner, cols, count = shape
-        dist.barrier()
-        seconds = seconds_per_call(_gemm(shape), window)
-        out["gemm"][(rows, inner, cols)] = 2.0 * rows * inner * cols * count / seconds
+        for key, fn in _products(shape).items():
+            dist.barrier()
+            flops = 2.0 * key[0] * key[1] * key[2] * shape[3]
+            out["gemm"].setdefault(key, flops / seconds_per_call(fn, window))
     out["long"] = {}
     for timed, into in ((model, out["elementwise"]), (LONG_MODEL, out["long"])):
         for kind, (fn, elements) in elementwise_timers(timed).items():
