@@ -1,10 +1,9 @@
 """Check the step-time model against this machine's 2 CPU ranks, from a shell.
 
-``python tools/step_check.py [rounds] [matmul] [back-to-back] [calibrated-latency]``: calibrate,
-predict, measure, print (what notebook 18's check cells and tests/plan/test_step_time.py run).
-``matmul``: at a bare product's FLOP/s; ``back-to-back``: the collectives timed back to back
-(each predicts too fast); ``calibrated-latency``: every step at the calibration's per-call
-latencies, not re-timed before it.
+``python tools/step_check.py [rounds] [configuration ...]``: calibrate, then predict and measure
+each configuration of ``mgtutor.measure.step_check.CONFIGS`` (all by default, or those whose
+names contain one of the given words), and print each error with its terms deleted in turn: what
+notebook 18's check cells and tests/measure/test_step_check.py run.
 """
 
 from __future__ import annotations
@@ -12,48 +11,30 @@ from __future__ import annotations
 import time
 
 import mgtutor
-from mgtutor.measure.step_check import calibrate, check, tolerance
+from mgtutor.measure import step_check
 
 
 def main() -> None:
     """Calibrate, predict, measure and print, as the module's docstring says."""
     import sys
 
-    rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    rate = "matmul" if "matmul" in sys.argv[2:] else "step"
-    apart = "back-to-back" not in sys.argv[2:]
-    retime = "calibrated-latency" not in sys.argv[2:]
-    bound, why = tolerance()  # before the ranks add their own load
+    args = sys.argv[1:]
+    rounds = int(args.pop(0)) if args and args[0].isdigit() else 2
+    names = tuple(n for n in step_check.runnable() if not args or any(a in n for a in args))
+    asserted, why = step_check.tolerance()  # before the ranks add their own load
     with mgtutor.Pool(2, backend="gloo") as pool:
         start = time.perf_counter()
-        hardware = calibrate(pool, rate=rate, after_compute=apart)
-        print(
-            f"calibration {time.perf_counter() - start:.1f} s, FLOP/s of a {rate}, "
-            + ("collectives after compute" if apart else "collectives back to back")
-        )
-        measured = check(pool, hardware, rounds=rounds, rate=rate, retime=retime)
-    link, f = hardware.intra, hardware.flops
-    print(
-        f"a layer step {f['fp32'] / 1e9:.0f} GFLOP/s a rank with both busy, "
-        f"{f['fp32_alone'] / 1e9:.0f} alone (a bare product {f['matmul'] / 1e9:.0f} and "
-        f"{f['matmul_alone'] / 1e9:.0f}); all-reduce {link.latency * 1e6:.0f} us + bytes / "
-        f"{link.bandwidth / 1e9:.2f} GB/s; send {link.p2p_latency * 1e6:.0f} us + bytes / "
-        f"{link.p2p_bandwidth / 1e9:.2f} GB/s; copy {hardware.copy / 1e9:.1f} GB/s"
-    )
+        hardware, extra = step_check.calibrate(pool)
+        print(f"calibration {time.perf_counter() - start:.1f} s")
+        measured = step_check.check(pool, hardware, extra, rounds=rounds, configs=names)
     for m in measured:
+        deleted = ", ".join(f"without {k} {m.error_without(k):+.0%}" for k in m.deleted)
         print(
-            f"{m.name:34} predicted {m.predicted.total * 1e3:5.0f} ms, measured median "
+            f"{m.name:42} predicted {m.predicted.total * 1e3:5.0f} ms, measured median "
             f"{m.median * 1e3:5.0f} ms ({min(m.seconds) * 1e3:.0f}-{max(m.seconds) * 1e3:.0f}), "
-            f"error {m.error:+.0%}; "
-            + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in m.predicted.parts.items() if v)
+            f"error {m.error:+.0%} (bound {m.bound:.0%}) {deleted}"
         )
-    within = all(abs(m.error) <= (bound or 0) for m in measured)
-    print(
-        f"bound {why}"
-        if bound is None
-        else f"bound {bound:.0%} ({why}, before the ranks "
-        f"started): " + ("all within" if within else "NOT all within")
-    )
+    print(f"real configurations {'asserted' if asserted else 'not asserted'}: {why}")
 
 
 if __name__ == "__main__":

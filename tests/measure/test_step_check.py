@@ -9,7 +9,7 @@ import pytest
 
 import mgtutor
 from mgtutor.measure import emulated, step_calibrate, step_check
-from mgtutor.plan.compute_time import layer_times, product_shapes
+from mgtutor.plan.compute_time import Device, layer_times, product_shapes
 from mgtutor.plan.machine import Hardware, Link
 
 EMULATED = step_check.CONFIGS["emulated TP, backward overlapped"]
@@ -91,11 +91,8 @@ def test_deleting_each_term_takes_what_the_model_says_it_is():
 
 
 def test_the_load_factor_scales_every_rate():
-    base = step_check.emulated_hardware(EMULATED)
-    cpu = Hardware(
-        "cpu", base.device.__class__("cpu", gemm_rates={(1, 2, 3): 10.0}, elementwise={"gelu": 2.0}),
-        Link(1.0), Link(1.0), 2, 10,
-    )  # fmt: skip
+    device = Device("cpu", gemm_rates={(1, 2, 3): 10.0}, elementwise={"gelu": 2.0})
+    cpu = Hardware("cpu", device, Link(1.0), Link(1.0), 2, 10)
     fast = step_calibrate.scaled(cpu, 2.0)
     assert fast.device.gemm_rates == {(1, 2, 3): 20.0} and fast.device.elementwise == {"gelu": 1.0}
 
