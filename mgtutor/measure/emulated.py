@@ -41,6 +41,7 @@ __all__ = [
     "Wire",
     "ddp_hook",
     "device_idle",
+    "device_resume",
     "device_sleep",
     "meeting_seconds",
     "wire_group",
@@ -50,10 +51,20 @@ __all__ = [
 #: one layer in each bucket whatever its first bucket's size (1 MiB in torch 2.11, the cap later).
 REAL_HIDDEN = 256
 _GROUP: list[Any] = []
-#: A late wake-up shorter than this is the sleep's, not the device's: the next block still ends
-#: its seconds after the previous one's end, as a GPU's queued kernels do.
-LATE = 0.004
+#: A late wake-up shorter than this is the host's, not the device's: the next block still ends
+#: its seconds after the previous one's end, as a GPU's queued kernels do. On a 2-core machine
+#: whose cores two other busy processes share, a sleeping rank wakes up to about 10 ms late.
+LATE = 0.015
 _DEVICE = {"end": 0.0}
+
+
+def _sleep(seconds: float) -> None:
+    """Sleep ``seconds`` (none if negative); an emulated step never sleeps a minute."""
+    if not 0 <= seconds < 60:
+        if seconds < 0:
+            return
+        raise RuntimeError(f"an emulated sleep of {seconds} s: a clock went wrong")
+    time.sleep(seconds)
 
 
 def device_sleep(seconds: float) -> None:
@@ -63,12 +74,19 @@ def device_sleep(seconds: float) -> None:
     now = time.perf_counter()
     start = _DEVICE["end"] if 0 <= now - _DEVICE["end"] < LATE else now
     _DEVICE["end"] = start + seconds
-    time.sleep(max(0.0, _DEVICE["end"] - now))
+    _sleep(_DEVICE["end"] - now)
 
 
 def device_idle() -> None:
     """The device waited for data: its next work starts now."""
     _DEVICE["end"] = 0.0
+
+
+def device_resume(at: float) -> None:
+    """The device waited for data that arrived at ``at`` (``time.perf_counter``): its next
+    work starts then, if the host woke within :data:`LATE` of it (the device does not wait for
+    the host), else when the host gets to it."""
+    _DEVICE["end"] = max(_DEVICE["end"], at)
 
 
 def wire_group() -> Any:
@@ -81,31 +99,46 @@ def wire_group() -> Any:
 class _Transfer:
     def __init__(self, seconds: float, then: Any = None) -> None:
         self.seconds, self.then, self.done = seconds, then, threading.Event()
+        self.issued = time.time()  # the ranks compare these: one clock for the machine
+        self.end = 0.0  # when it ended on the wire (time.perf_counter)
 
     def wait(self) -> None:
-        if not self.done.is_set():
-            self.done.wait()
-            device_idle()
+        self.done.wait()
+        if isinstance(self.then, BaseException):
+            raise RuntimeError("the emulated wire's thread failed") from self.then
+        device_resume(self.end)
 
 
 class Wire:
     """A link of ``bandwidth`` bytes/s between this rank and the other, emulated: transfers run
-    one after another on a thread, each a one-element all-reduce (the ranks meet) then a sleep
-    of bytes / bandwidth. ``start`` returns at once; ``wait`` on what it returns."""
+    one after another on a thread, each a one-element all-reduce (the ranks meet and agree when
+    the later one issued it) then a sleep until bytes / bandwidth after that, or after the
+    previous transfer's end. ``start`` returns at once; ``wait`` on what it returns."""
 
     def __init__(self, bandwidth: float) -> None:
         self.bandwidth, self.group = bandwidth, wire_group()
         self._jobs: queue.Queue[_Transfer | None] = queue.Queue()
-        self._token = torch.zeros(1)
+        self._token = torch.zeros(1, dtype=torch.float64)
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        end = 0.0  # when the previous transfer ended on the wire
         while (job := self._jobs.get()) is not None:
-            dist.all_reduce(self._token, group=self.group)
-            time.sleep(job.seconds)
-            if job.then is not None:
-                job.then()
+            try:
+                # The ranks meet, and learn when the later of them issued the transfer: it
+                # starts then, or when the wire is free, however late this thread woke.
+                self._token.fill_(job.issued)
+                dist.all_reduce(self._token, op=dist.ReduceOp.MAX, group=self.group)
+                now = time.perf_counter()
+                issued = now - (time.time() - float(self._token))
+                end = max(end, issued) + job.seconds
+                _sleep(end - now)
+                job.end = end
+                if job.then is not None:
+                    job.then()
+            except BaseException as exc:  # the waiting thread raises it: none may hang
+                job.then = exc
             job.done.set()
 
     def start(self, nbytes: float, then: Any = None) -> _Transfer:
@@ -133,8 +166,9 @@ def meeting_seconds(wire: Wire, calls: int, work: float = 0.004) -> float:
         device_idle()
         device_sleep(work)
         start = time.perf_counter()
-        wire.send(0.0)
-        total += time.perf_counter() - start
+        transfer = wire.start(0.0)
+        transfer.wait()
+        total += transfer.end - start  # to its end on the wire, not to this thread's wake-up
     return total / calls
 
 
@@ -281,10 +315,10 @@ def _stamp(x: torch.Tensor) -> torch.Tensor:
 def _arrive(x: torch.Tensor, seconds: float) -> torch.Tensor:
     """Sleep until ``seconds`` after the stamp in ``x``'s last row, then drop the row."""
     if not x.is_meta:
-        late = seconds - _since(x[:, -1].reshape(-1))
-        if late > 0:
-            time.sleep(late)
-            device_idle()
+        wait = seconds - _since(x[:, -1].reshape(-1))
+        arrival = time.perf_counter() + wait
+        _sleep(wait)
+        device_resume(arrival)  # the device waited for these data, not for this host
     return x[:, :-1]
 
 

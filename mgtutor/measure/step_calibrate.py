@@ -154,15 +154,23 @@ def reference_rate(model: Transformer, window: float) -> float:
 
 
 def scaled(hardware: Hardware, factor: float) -> Hardware:
-    """``hardware`` computing ``factor`` times as fast (its rates x factor, its seconds per
-    element / factor): the calibration at the machine's load of the moment."""
+    """``hardware`` working ``factor`` times as fast: its products' rates, its operations' seconds
+    per element, its copy and gloo's bandwidths (loopback: the cores move the bytes), each moved
+    by ``factor``: the calibration at the machine's load of the moment."""
     d = hardware.device
     device = replace(
         d,
         gemm_rates={k: v * factor for k, v in d.gemm_rates.items()},
         elementwise={k: v / factor for k, v in d.elementwise.items()},
     )
-    return replace(hardware, device=device)
+    link = hardware.intra
+    link = replace(
+        link,
+        bandwidth=link.bandwidth * factor,
+        p2p_bandwidth=(link.p2p_bandwidth or link.bandwidth) * factor,
+    )
+    copy = hardware.copy * factor if hardware.copy else None
+    return replace(hardware, device=device, intra=link, inter=link, copy=copy)
 
 
 def _mean_seconds(fn: Any, calls: int, work: Any = None) -> float:

@@ -92,9 +92,10 @@ def test_deleting_each_term_takes_what_the_model_says_it_is():
 
 def test_the_load_factor_scales_every_rate():
     device = Device("cpu", gemm_rates={(1, 2, 3): 10.0}, elementwise={"gelu": 2.0})
-    cpu = Hardware("cpu", device, Link(1.0), Link(1.0), 2, 10)
+    cpu = Hardware("cpu", device, Link(1.0), Link(1.0), 2, 10, copy=3.0)
     fast = step_calibrate.scaled(cpu, 2.0)
     assert fast.device.gemm_rates == {(1, 2, 3): 20.0} and fast.device.elementwise == {"gelu": 1.0}
+    assert fast.intra.bandwidth == fast.inter.p2p_bandwidth == 2.0 and fast.copy == 6.0
 
 
 def test_the_link_fit_keeps_the_small_messages_latency():
