@@ -9,13 +9,16 @@ all-reduce and send/recv as latency + bytes / bandwidth (a line through the size
 fitted by relative error; each call timed after a stretch of compute, as a step meets it), a
 copy of the gradients (DDP's bucket copies), and the emulated wire's latency per transfer
 (:mod:`mgtutor.measure.emulated`). Compute is measured, not derived from a step: a layer's step
-time is what the check predicts.
+time is what the check predicts. Products and operations are timed in CPU seconds
+(``time.process_time``), which other work on the machine does not stretch; a step's wall-clock
+time is then predicted at the share of a core the rank gets, re-timed before each step.
 
 :mod:`mgtutor.measure.step_check` predicts with the result and measures the same ranks.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 from typing import Any
@@ -26,7 +29,6 @@ from mgtutor.plan.planner import Transformer
 
 __all__ = [
     "CHECK_MODEL",
-    "LONG_MODEL",
     "calibrate",
     "elementwise_timers",
     "gemm_shapes",
@@ -42,9 +44,6 @@ __all__ = [
 #: (:class:`~mgtutor.parallel.gpt_layer.GPTLayer`, no dropout), small enough that a step takes
 #: tens of milliseconds on one core, with products and memory-bound operations both sizeable.
 CHECK_MODEL = Transformer(layers=2, hidden=768, heads=12, seq_len=64, micro_batch=1)
-#: A layer whose memory-bound operations take about as long as its products (the softmax over
-#: 4 x 1024² scores): what a step of CPU work spends outside the products.
-LONG_MODEL = Transformer(layers=1, hidden=128, heads=4, seq_len=1024, micro_batch=1)
 
 
 def gemm_shapes(model: Transformer, tps: tuple[int, ...] = (1, 2)) -> list[tuple[int, ...]]:
@@ -58,27 +57,67 @@ def gemm_shapes(model: Transformer, tps: tuple[int, ...] = (1, 2)) -> list[tuple
     return [(*shape, n) for shape, n in found.items()]
 
 
+#: Inputs rotate through copies of at least this many bytes, so that no timed call finds its
+#: operands in a cache the step would not have them in (a layer meets each weight once a step).
+COLD_BYTES = 64 * 2**20
+
+
+def _cold(make: Any, nbytes: float) -> Any:
+    """A function returning ``make()``'s instances in turn, enough of them to fill
+    :data:`COLD_BYTES` (``nbytes`` each)."""
+    import itertools
+
+    return itertools.cycle([make() for _ in range(max(1, math.ceil(COLD_BYTES / nbytes)))]).__next__
+
+
 def _products(shape: tuple[int, ...]) -> dict[tuple[int, int, int], Any]:
     """The three products of one forward product of ``shape``, as autograd runs them: keyed
     (rows, inner, cols) forward, (rows, cols, inner) for the input's gradient and (inner, rows,
     cols) for the weight's (a linear: ``x @ w.T``, ``g @ w``, ``g.T @ x``; the attention core:
-    batched, ``a @ b``, ``g @ b.T``, ``a.T @ g``)."""
+    batched, ``a @ b`` (``baddbmm`` for the scores, as GPTLayer), ``g @ b.T``, ``a.T @ g``), on
+    operands not in a cache."""
     import torch
 
-    rows, inner, cols, count = shape
-    if count > 1:
-        a, b = torch.randn(count, rows, inner), torch.randn(count, inner, cols)
-        g = torch.randn(count, rows, cols)
-        return {
-            (rows, inner, cols): lambda: torch.bmm(a, b),
-            (rows, cols, inner): lambda: torch.bmm(g, b.transpose(1, 2)),
-            (inner, rows, cols): lambda: torch.bmm(a.transpose(1, 2), g),
-        }
-    x, w, g = torch.randn(rows, inner), torch.randn(cols, inner), torch.randn(rows, cols)
+    rows, inner, cols, n = shape
+    nbytes = 4 * n * (rows * inner + inner * cols + rows * cols)
+    if n > 1:
+        take = _cold(lambda: (torch.randn(n, rows, inner), torch.randn(n, inner, cols),
+                              torch.randn(n, rows, cols)), nbytes)  # fmt: skip
+
+        def fwd() -> Any:  # GPTLayer scales q kᵀ in the product: baddbmm, as it runs it
+            a, b, g = take()
+            if rows == cols:
+                return torch.baddbmm(g, a, b, beta=0.0, alpha=0.125)
+            return torch.bmm(a, b)
+
+        def dgrad() -> Any:
+            _, b, g = take()
+            return torch.bmm(g, b.transpose(1, 2))
+
+        def wgrad() -> Any:
+            a, _, g = take()
+            return torch.bmm(a.transpose(1, 2), g)
+
+        return {(rows, inner, cols): fwd, (rows, cols, inner): dgrad, (inner, rows, cols): wgrad}
+    take = _cold(lambda: (torch.randn(rows, inner), torch.randn(cols, inner),
+                          torch.randn(rows, cols)), nbytes)  # fmt: skip
+
+    def linear() -> Any:
+        x, w, _ = take()
+        return x @ w.T
+
+    def linear_dgrad() -> Any:
+        _, w, g = take()
+        return g @ w
+
+    def linear_wgrad() -> Any:
+        x, _, g = take()
+        return g.T @ x
+
     return {
-        (rows, inner, cols): lambda: x @ w.T,
-        (rows, cols, inner): lambda: g @ w,
-        (inner, rows, cols): lambda: g.T @ x,
+        (rows, inner, cols): linear,
+        (rows, cols, inner): linear_dgrad,
+        (inner, rows, cols): linear_wgrad,
     }
 
 
@@ -97,14 +136,18 @@ def _fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), 1 / slope
 
 
-def seconds_per_call(fn: Any, min_seconds: float) -> float:
-    """Mean seconds of ``fn`` over calls lasting at least ``min_seconds`` in all: a mean over a
-    window, as a step loses its share of the machine's time slices to whatever else runs."""
-    calls, start = 0, time.perf_counter()
+def seconds_per_call(fn: Any, min_seconds: float, clock: Any = time.perf_counter) -> float:
+    """Mean seconds of ``fn`` on ``clock`` over calls lasting at least ``min_seconds`` in all: a
+    mean over a window, as a step loses its share of the machine's time slices to whatever else
+    runs. ``clock=time.process_time``: the CPU seconds this process spent, which other work on
+    the machine does not stretch. One untimed call first: a first call pays for lazy set-up
+    (a kernel library's, the allocator's)."""
+    fn()
+    calls, start = 0, clock()
     while True:
         fn()
         calls += 1
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
         if elapsed >= min_seconds:
             return elapsed / calls
 
@@ -122,41 +165,69 @@ def elementwise_timers(model: Transformer) -> dict[str, tuple[Any, int]]:
 
     b, s, h, a = model.micro_batch, model.seq_len, model.hidden, model.heads
     ffn = model.ffn or 4 * h
-    x = torch.randn(b, s, h, requires_grad=True)
-    y = torch.randn(b, s, h, requires_grad=True)
-    g = torch.randn(b, s, h)
-    norm = torch.nn.LayerNorm(h)
-    scores = torch.randn(b * a, s, s, requires_grad=True)
-    masked = scores.detach().clone()
     mask = torch.full((s, s), float("-inf")).triu(1)
-    g_scores = torch.randn(b * a, s, s)
-    wide = torch.randn(b, s, ffn, requires_grad=True)
-    g_wide = torch.randn(b, s, ffn)
+    norm = torch.nn.LayerNorm(h)
+
+    def leaf(*shape: int) -> Any:
+        return torch.randn(*shape, requires_grad=True)
+
+    def both_ways(out: Any, grad: Any, *leaves: Any) -> None:  # autograd takes the buffer
+        for t in (*leaves, *norm.parameters()):
+            t.grad = None
+        out.backward(grad)
+
+    # Each operation reads what the previous one just wrote: its operands stay where a cache
+    # holds them, unlike the products' weights.
+    xs, ws, ss = (leaf(b, s, h), leaf(b, s, h), torch.randn(b, s, h)), None, None
+    ws = (leaf(b, s, ffn), torch.randn(b, s, ffn))
+    ss = (leaf(b * a, s, s), torch.randn(b * a, s, s))
+
+    def take_x() -> Any:
+        return xs
+
+    def take_w() -> Any:
+        return ws
+
+    def take_s() -> Any:
+        return ss
+
+    def layernorm() -> None:
+        x, _, g = take_x()
+        both_ways(norm(x), g, x)
+
+    def residual() -> None:
+        x, y, g = take_x()
+        both_ways(x + y, g, x, y)
 
     def softmax() -> None:  # the mask added in place, as GPTLayer does, then softmax both ways
-        masked.add_(mask)
-        F.softmax(scores, -1).backward(g_scores)
+        scores, g = take_s()
+        scores.detach().add_(mask)
+        both_ways(F.softmax(scores, -1), g, scores)
+
+    def gelu() -> None:
+        w, g = take_w()
+        both_ways(F.gelu(w), g, w)
 
     return {
-        "layernorm": (lambda: norm(x).backward(g), b * s * h),
-        "residual": (lambda: (x + y).backward(g), b * s * h),
+        "layernorm": (layernorm, b * s * h),
+        "residual": (residual, b * s * h),
         "softmax": (softmax, b * a * s * s),
-        "gelu": (lambda: F.gelu(wide).backward(g_wide), b * s * ffn),
+        "gelu": (gelu, b * s * ffn),
     }
 
 
-def reference_rate(model: Transformer, window: float) -> float:
-    """FLOP/s of the MLP's first product of ``model``, over ``window`` seconds: how fast this
-    rank computes now (:func:`scaled` moves every calibrated rate by its change)."""
+def reference_rate(model: Transformer, window: float, clock: Any = time.perf_counter) -> float:
+    """FLOP/s of the MLP's first product of ``model``, over ``window`` seconds of ``clock``: how
+    fast this rank computes now (:func:`scaled` moves every calibrated rate by its change)."""
     h = model.hidden
     shape = (model.micro_batch * model.seq_len, h, model.ffn or 4 * h, 1)
-    return 2.0 * shape[0] * shape[1] * shape[2] / seconds_per_call(_gemm(shape), window)
+    return 2.0 * shape[0] * shape[1] * shape[2] / seconds_per_call(_gemm(shape), window, clock)
 
 
-def scaled(hardware: Hardware, factor: float) -> Hardware:
-    """``hardware`` working ``factor`` times as fast: its products' rates, its operations' seconds
-    per element, its copy and gloo's bandwidths (loopback: the cores move the bytes), each moved
-    by ``factor``: the calibration at the machine's load of the moment."""
+def scaled(hardware: Hardware, factor: float, links: float = 1.0) -> Hardware:
+    """``hardware`` computing ``factor`` times as fast (its products' rates, its operations'
+    seconds per element, its copy) and its gloo links ``links`` times as fast (loopback: the
+    cores move the bytes): the calibration at the share of a core the ranks get now."""
     d = hardware.device
     device = replace(
         d,
@@ -166,8 +237,8 @@ def scaled(hardware: Hardware, factor: float) -> Hardware:
     link = hardware.intra
     link = replace(
         link,
-        bandwidth=link.bandwidth * factor,
-        p2p_bandwidth=(link.p2p_bandwidth or link.bandwidth) * factor,
+        bandwidth=link.bandwidth * links,
+        p2p_bandwidth=(link.p2p_bandwidth or link.bandwidth) * links,
     )
     copy = hardware.copy * factor if hardware.copy else None
     return replace(hardware, device=device, intra=link, inter=link, copy=copy)
@@ -249,7 +320,7 @@ def with_latencies(hardware: Hardware, model: Transformer, seconds: dict[str, fl
 
 def _calibrate_rank(model: Transformer, sizes: list[int], window: float, calls: int) -> dict:
     """One rank's side of :func:`calibrate` (both ranks run the same, at once): ``model``'s
-    products at tp 1 and 2 and :data:`LONG_MODEL`'s at tp 1, each model's operations."""
+    products at tp 1 and 2, its operations."""
     import torch
     import torch.distributed as dist
 
@@ -259,21 +330,22 @@ def _calibrate_rank(model: Transformer, sizes: list[int], window: float, calls: 
     setup()
     rank = dist.get_rank()
     out: dict[str, Any] = {"gemm": {}, "elementwise": {}}
-    for shape in gemm_shapes(model) + gemm_shapes(LONG_MODEL, (1,)):
+    for shape in gemm_shapes(model):
         for key, fn in _products(shape).items():
             dist.barrier()
             flops = 2.0 * key[0] * key[1] * key[2] * shape[3]
-            out["gemm"].setdefault(key, flops / seconds_per_call(fn, window))
-    out["long"] = {}
-    for timed, into in ((model, out["elementwise"]), (LONG_MODEL, out["long"])):
-        for kind, (fn, elements) in elementwise_timers(timed).items():
-            dist.barrier()
-            into[kind] = seconds_per_call(fn, window) / elements
-    out["reference"] = reference_rate(model, window)
+            out["gemm"].setdefault(key, flops / seconds_per_call(fn, window, time.process_time))
+    for kind, (fn, elements) in elementwise_timers(model).items():
+        dist.barrier()
+        out["elementwise"][kind] = seconds_per_call(fn, window, time.process_time) / elements
+    out["reference"] = reference_rate(model, window, time.process_time)
+    out["reference_wall"] = reference_rate(model, window)
     src = torch.randn(model.total)
     dst = torch.empty_like(src)
     dist.barrier()
-    out["copy"] = 4 * model.total / seconds_per_call(lambda: dst.copy_(src), window)
+    out["copy"] = 4 * model.total / seconds_per_call(
+        lambda: dst.copy_(src), window, time.process_time
+    )
     work = _gemm((model.micro_batch * model.seq_len, model.hidden, 4 * model.hidden, 1))
     out["all_reduce"], out["send"] = [], []
     for size in sizes:
@@ -306,11 +378,12 @@ def calibrate(
         calls: collectives timed per message size.
 
     Returns:
-        The hardware (its device's ``gemm_rates`` and ``elementwise`` the slower rank's, gloo
-        as its links, ``overlap=0``: gloo reduces on the cores that compute; ``copy``), and
-        what else was measured: ``"reference"`` (:func:`reference_rate` at calibration),
-        ``"wire"`` (seconds of an emulated wire's transfer of no bytes) and ``"long"``
-        (:data:`LONG_MODEL`'s seconds per element by kind).
+        The hardware (its device's ``gemm_rates`` and ``elementwise`` the slower rank's, per
+        CPU second; gloo as its links, ``overlap=0``: gloo reduces on the cores that compute;
+        ``copy``), and what else was measured: ``"reference"`` (:func:`reference_rate` at
+        calibration, per CPU second; ``"reference_wall"`` per wall-clock second, at the load
+        gloo's links were timed at) and ``"wire"`` (seconds of an emulated wire's transfer of
+        no bytes).
     """
     from mgtutor.hardware import describe_hardware
 
@@ -338,7 +411,7 @@ def calibrate(
     )
     extra = {
         "reference": min(r["reference"] for r in results),
+        "reference_wall": min(r["reference_wall"] for r in results),
         "wire": max(r["wire"] for r in results),
-        "long": {k: max(r["long"][k] for r in results) for k in results[0]["long"]},
     }
     return hardware, extra

@@ -8,9 +8,10 @@ without it, inside with it. Two kinds of configuration:
 
 * real: :class:`~mgtutor.parallel.gpt_layer.GPTLayer` steps on the CPU, gloo between the ranks
   (its collectives use the cores that compute: nothing overlaps). They check the compute model
-  (products at their shapes, memory-bound operations) and gloo's traffic. Their speed follows
-  the machine's load, so the rates are re-timed before each step (:func:`~mgtutor.measure.
-  step_calibrate.scaled`).
+  (products at their shapes, memory-bound operations) and gloo's traffic. One rank's step is
+  compared in CPU seconds, as the calibration's products and operations are timed; two ranks'
+  steps in wall-clock time, at the share of a core the ranks got, re-timed before each step
+  (:func:`~mgtutor.measure.step_calibrate.scaled`).
 * emulated: a GPU rank emulated (:mod:`mgtutor.measure.emulated`): device time and a link slept
   at declared rates, while torch's DDP, autograd and pipeline schedule order the work. They
   check what overlaps (the last micro-batch, the last bucket, TP's backward) and the pipeline's
@@ -29,7 +30,6 @@ from typing import Any
 
 from mgtutor.measure.step_calibrate import (
     CHECK_MODEL,
-    LONG_MODEL,
     calibrate,
     needs_gloo_ranks,
     reference_rate,
@@ -61,11 +61,13 @@ __all__ = [
 EMULATED_MODEL = Transformer(layers=4, hidden=1024, heads=16, seq_len=512, micro_batch=1)
 #: The emulated device's products, FLOP/s.
 EMULATED_RATE = 2e12
-#: How far a prediction may be from the measured median: real configurations (their rates
-#: re-timed before each step), emulated ones (sleeps, at any load).
+#: How far a prediction may be from the measured median: real configurations (one rank in CPU
+#: seconds; two ranks' wall-clock at the share of a core re-timed before each step), emulated
+#: ones (sleeps, at any load).
 BOUND = {"real": 0.25, "emulated": 0.15}
-#: Above this load per core the real configurations time other work: printed, not asserted.
-TOO_LOADED = 2.0
+#: Above this load per core two real ranks time other work as much as theirs (their steps,
+#: wall-clock, are printed, not asserted): at one process per core a rank waits for a core.
+TOO_LOADED = 1.0
 
 
 @dataclass(frozen=True)
@@ -101,11 +103,9 @@ CONFIGS: dict[str, Config] = {
     c.name: c
     for c in (
         Config("one process", 1, 1, 1, 1),
-        Config("one process, long sequence", 1, 1, 1, 1, model=LONG_MODEL,
-               deletions=("memory-bound",)),
         Config("DDP, 2 ranks", 2, 1, 1, 1),
         Config("TP, 2 ranks", 1, 2, 1, 1),
-        Config("1F1B, 2 stages, 2 micro-batches", 1, 1, 2, 2, deletions=("bubble",)),
+        Config("1F1B, 2 stages, 2 micro-batches", 1, 1, 2, 2),
         Config("emulated DDP, 4 micro-batches", 2, 1, 1, 4, True, EMULATED_MODEL, 0.7e9,
                deletions=("dp", "last micro-batch")),
         Config("emulated DDP, 1 micro-batch", 2, 1, 1, 1, True, EMULATED_MODEL, 3.35e9,
@@ -183,9 +183,10 @@ def without(config: Config, hardware: Hardware, term: str) -> float:
 
 
 def tolerance() -> tuple[bool, str]:
-    """Whether the real configurations are asserted here: not while other work wants more than
-    twice the cores (:data:`TOO_LOADED`), when the ranks would time it. Call it before the ranks
-    start (the load average counts them once they run)."""
+    """Whether the real configurations of two ranks (wall-clock) are asserted here: not while
+    other work wants more than the cores (:data:`TOO_LOADED`). One rank's (CPU seconds) and the
+    emulated ones hold at any load. Call it before the ranks start (the load average counts them
+    once they run)."""
     import os
 
     from mgtutor.hardware import usable_cores
@@ -194,7 +195,7 @@ def tolerance() -> tuple[bool, str]:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     where = f"load {load:.1f} on {cores} cores"
     if load > TOO_LOADED * cores:
-        return False, f"too loaded to time real CPU work ({where}): printed, not asserted"
+        return False, f"too loaded to time two real ranks ({where}): printed, not asserted"
     return True, where
 
 
@@ -225,21 +226,23 @@ def _measure_rank(config: Config, steps: int, window: float, calls: int) -> dict
     step, wire = step_builds.build(config)
     step()  # warm-up: DDP's buckets, the pipeline's shapes, the allocator
     small = small_calls(config.model) if together and not config.emulated else {}
-    out: dict[str, list] = {"seconds": [], "rate": [], "wire": [], **{k: [] for k in small}}
+    out: dict[str, list] = {"seconds": [], "cpu": [], "rate": [], "wire": []}
+    out.update({k: [] for k in small})
     for _ in range(steps):
         if together:
             dist.barrier()
         if not config.emulated:
-            out["rate"].append(reference_rate(CHECK_MODEL, window))
+            out["rate"].append(reference_rate(CHECK_MODEL, window))  # per wall second
             for kind, timer in small.items():
                 out[kind].append(timer(calls))
         elif wire is not None and config.pp == 1:
             out["wire"].append(meeting_seconds(wire, calls))
         if together:
             dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         step()
         out["seconds"].append(time.perf_counter() - start)
+        out["cpu"].append(time.process_time() - cpu)
     if wire is not None:
         wire.close()
     return out
@@ -329,13 +332,18 @@ def check(
         c, now = CONFIGS[name], hw[name]
         if c.emulated and got[name].get("wire"):
             now = emulated_hardware(c, statistics.fmean(got[name]["wire"]))
+        seconds = got[name]["seconds"]
+        if c.emulated and got[name].get("wire"):
+            now = emulated_hardware(c, statistics.fmean(got[name]["wire"]))
         elif not c.emulated:
-            base = hardware
-            if c.model == LONG_MODEL:
-                base = replace(hardware, device=replace(hardware.device, elementwise=extra["long"]))
-            now = scaled(base, statistics.median(got[name]["rate"]) / extra["reference"])
-            small = {k: statistics.fmean(v) for k, v in got[name].items() if k in _SMALL}
-            now = with_latencies(now, c.model, small) if small else now
+            now = hardware
+            if c.ranks == 1:  # CPU seconds against CPU seconds: no other work stretches them
+                seconds = got[name]["cpu"]
+            else:  # wall-clock: the calibration at the share of a core the ranks got
+                rate = statistics.median(got[name]["rate"])
+                now = scaled(now, rate / extra["reference"], rate / extra["reference_wall"])
+                small = {k: statistics.fmean(v) for k, v in got[name].items() if k in _SMALL}
+                now = with_latencies(now, c.model, small) if small else now
         deleted = {term: without(c, now, term) for term in c.deletions}
-        measured.append(Measured(c, predict(c, now), got[name]["seconds"], deleted))
+        measured.append(Measured(c, predict(c, now), seconds, deleted))
     return measured

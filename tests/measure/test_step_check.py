@@ -22,14 +22,13 @@ def test_the_products_the_model_counts_are_the_ones_a_layer_runs():
 
     from mgtutor.measure.step_builds import _real
 
-    for model in (step_check.CHECK_MODEL, step_calibrate.LONG_MODEL):
-        config = step_check.Config("one", 1, 1, 1, 1, model=model)
-        step = _real(config)
-        with FlopCounterMode(display=False) as counter:
-            step()
-        first, second, core = product_shapes(model)
-        flops = sum(6 * r * k * c * n for r, k, c, n in first + second + core)
-        assert counter.get_total_flops() == pytest.approx(model.layers * flops, rel=0.001)
+    model = step_check.CHECK_MODEL
+    step = _real(step_check.Config("one", 1, 1, 1, 1, model=model))
+    with FlopCounterMode(display=False) as counter:
+        step()
+    first, second, core = product_shapes(model)
+    flops = sum(6 * r * k * c * n for r, k, c, n in first + second + core)
+    assert counter.get_total_flops() == pytest.approx(model.layers * flops, rel=0.001)
 
 
 def test_the_emulated_layer_sleeps_what_the_model_computes(monkeypatch):
@@ -93,9 +92,9 @@ def test_deleting_each_term_takes_what_the_model_says_it_is():
 def test_the_load_factor_scales_every_rate():
     device = Device("cpu", gemm_rates={(1, 2, 3): 10.0}, elementwise={"gelu": 2.0})
     cpu = Hardware("cpu", device, Link(1.0), Link(1.0), 2, 10, copy=3.0)
-    fast = step_calibrate.scaled(cpu, 2.0)
+    fast = step_calibrate.scaled(cpu, 2.0, 3.0)
     assert fast.device.gemm_rates == {(1, 2, 3): 20.0} and fast.device.elementwise == {"gelu": 1.0}
-    assert fast.intra.bandwidth == fast.inter.p2p_bandwidth == 2.0 and fast.copy == 6.0
+    assert fast.intra.bandwidth == fast.inter.p2p_bandwidth == 3.0 and fast.copy == 6.0
 
 
 def test_the_link_fit_keeps_the_small_messages_latency():
@@ -107,11 +106,11 @@ def test_the_link_fit_keeps_the_small_messages_latency():
     assert latency + sizes[0] / bandwidth == pytest.approx(seconds[0], rel=0.1)
 
 
-def test_the_real_configurations_are_asserted_unless_the_machine_is_too_loaded(monkeypatch):
+def test_real_configurations_of_two_ranks_are_asserted_on_a_quiet_machine_only(monkeypatch):
     import os
 
     monkeypatch.setattr("mgtutor.hardware.usable_cores", lambda: 2)
-    for load, asserted in ((0.3, True), (3.9, True), (4.1, False)):
+    for load, asserted in ((0.3, True), (1.9, True), (2.1, False), (11.0, False)):
         monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
         assert step_check.tolerance()[0] is asserted
 
@@ -129,10 +128,10 @@ def test_the_check_refuses_ranks_that_are_not_two_gloo_ranks():
 
 def test_cpu_ranks_predicted_within_the_bound_and_not_without_each_term():
     # Calibrate, predict, measure every configuration of step_check.CONFIGS, interleaved. The
-    # emulated ones are asserted at any load (15%); the real ones (25%) unless other work wants
-    # more than twice the cores (step_check.tolerance, read before the ranks start). Each
-    # configuration's deleted terms must fall outside its bound. On torch 2.4 the pipelines are
-    # left out (step_check.runnable()).
+    # emulated ones (15%) and the one-rank real one (25%, CPU seconds) are asserted at any load;
+    # the two-rank real ones (25%, wall-clock) only while other work wants at most the cores
+    # (step_check.tolerance, read before the ranks start). Each configuration's deleted terms
+    # must fall outside its bound. On torch 2.4 the pipelines are left out (runnable()).
     asserted, why = step_check.tolerance()
     configs = step_check.runnable()
     with mgtutor.Pool(2, backend="gloo") as pool:
@@ -144,7 +143,7 @@ def test_cpu_ranks_predicted_within_the_bound_and_not_without_each_term():
         for m in measured
     )
     for m in measured:
-        if m.config.emulated or asserted:
+        if m.config.emulated or m.config.ranks == 1 or asserted:
             assert abs(m.error) <= m.bound, f"{why}: {report}"
             for term in m.deleted:
                 assert abs(m.error_without(term)) > m.bound, f"{term}: {report}"
