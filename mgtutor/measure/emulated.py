@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mgtutor.plan.compute_time import Device, gemm_seconds
+from mgtutor.plan.compute_time import Device, gemm_seconds, product_shapes
 
 __all__ = [
     "EmulatedLayer",
@@ -43,6 +43,7 @@ __all__ = [
     "device_idle",
     "device_resume",
     "device_sleep",
+    "emulated_device",
     "meeting_seconds",
     "wire_group",
 ]
@@ -87,6 +88,21 @@ def device_resume(at: float) -> None:
     work starts then, if the host woke within :data:`LATE` of it (the device does not wait for
     the host), else when the host gets to it."""
     _DEVICE["end"] = max(_DEVICE["end"], at)
+
+
+def emulated_device(model: Any, tp: int, rate: float, slow_wgrad: float = 1.0) -> Device:
+    """A device running every product of ``model``'s layer (on one of ``tp`` ranks) at ``rate``
+    FLOP/s, but the column-parallel weight gradients ``slow_wgrad`` times slower (a longer
+    product for TP's backward all-reduce to hide behind); no memory-bound operation."""
+    rates: dict[tuple[int, int, int], float] = {}
+    first, second, core = product_shapes(model, tp)
+    for r, k, c, _ in second + core:
+        for shape in ((r, k, c), (r, c, k), (k, r, c)):
+            rates[shape] = rate
+    for r, k, c, _ in first:
+        rates[(r, k, c)] = rates[(r, c, k)] = rate
+        rates[(k, r, c)] = rate / slow_wgrad
+    return Device("emulated GPU", gemm_rates=rates)
 
 
 def wire_group() -> Any:

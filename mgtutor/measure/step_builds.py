@@ -61,11 +61,17 @@ def _emulated(config: Any, wire: Any) -> Any:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from mgtutor.measure.emulated import REAL_HIDDEN, EmulatedLayer, Stamp, Unstamp, ddp_hook
-    from mgtutor.measure.step_check import emulated_hardware
+    from mgtutor.measure.emulated import (
+        REAL_HIDDEN,
+        EmulatedLayer,
+        Stamp,
+        Unstamp,
+        ddp_hook,
+        emulated_device,
+    )
 
     model, m = config.model, config.micro_batches
-    device = emulated_hardware(config).device
+    device = emulated_device(model, config.tp, config.rate, config.slow_wgrad)
     tp = config.tp
     layers = [EmulatedLayer(model, device, tp, wire) for _ in range(model.layers)]
     x = torch.randn(m, 4, REAL_HIDDEN)

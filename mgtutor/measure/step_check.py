@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from mgtutor.measure.emulated import emulated_device
 from mgtutor.measure.step_calibrate import (
     CHECK_MODEL,
     calibrate,
@@ -37,7 +38,6 @@ from mgtutor.measure.step_calibrate import (
     small_calls,
     with_latencies,
 )
-from mgtutor.plan.compute_time import Device, product_shapes
 from mgtutor.plan.machine import Hardware, Link, Software, StepTime
 from mgtutor.plan.planner import Transformer, plan
 from mgtutor.plan.step_time import step_time
@@ -59,8 +59,6 @@ __all__ = [
 
 #: The declared shape of the emulated configurations (4 GPT layers, 512 tokens a micro-batch).
 EMULATED_MODEL = Transformer(layers=4, hidden=1024, heads=16, seq_len=512, micro_batch=1)
-#: The emulated device's products, FLOP/s.
-EMULATED_RATE = 2e12
 #: How far a prediction may be from the measured median: real configurations (one rank in CPU
 #: seconds; two ranks' wall-clock at the share of a core re-timed before each step), emulated
 #: ones (sleeps, at any load).
@@ -78,6 +76,7 @@ class Config:
         emulated: an emulated GPU rank (:mod:`mgtutor.measure.emulated`), else real CPU work.
         model: the shape (declared, when emulated).
         link: an emulated link's bytes/s.
+        rate: the emulated device's products, FLOP/s.
         slow_wgrad: the emulated device computes the column-parallel weight gradients this many
             times slower (a longer product for TP's backward all-reduce to hide behind).
         deletions: the terms :func:`without` deletes for this configuration's check.
@@ -92,6 +91,7 @@ class Config:
     model: Transformer = CHECK_MODEL
     link: float = 0.0
     slow_wgrad: float = 1.0
+    rate: float = 2e12
     deletions: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -123,19 +123,11 @@ REAL = Software(tp_overlap="none", dropout=False, optimizer=False)
 
 
 def emulated_hardware(config: Config, wire_latency: float = 0.0) -> Hardware:
-    """The emulated device and link of ``config``: every product at :data:`EMULATED_RATE`, the
+    """The emulated device and link of ``config``: every product at ``config.rate``, the
     column-parallel weight gradients ``slow_wgrad`` times slower; the wire's bytes/s and its
     latency per transfer (measured). A pipeline's send takes bytes / bandwidth alone: the stamp
     it carries (:class:`~mgtutor.measure.emulated.Unstamp`) times its delivery from its start."""
-    rates: dict[tuple[int, int, int], float] = {}
-    first, second, core = product_shapes(config.model, config.tp)
-    for r, k, c, _ in second + core:
-        for shape in ((r, k, c), (r, c, k), (k, r, c)):
-            rates[shape] = EMULATED_RATE
-    for r, k, c, _ in first:
-        rates[(r, k, c)] = rates[(r, c, k)] = EMULATED_RATE
-        rates[(k, r, c)] = EMULATED_RATE / config.slow_wgrad
-    device = Device("emulated GPU", gemm_rates=rates)
+    device = emulated_device(config.model, config.tp, config.rate, config.slow_wgrad)
     link = Link(config.link or 1e12, wire_latency, p2p_latency=0.0)
     return Hardware("emulated GPU ranks", device, link, link, gpus_per_node=2, memory=10**12)
 
