@@ -209,8 +209,8 @@ def calibrate(
     *,
     model: Transformer = CHECK_MODEL,
     sizes: tuple[int, ...] | None = None,
-    window: float = 0.05,
-    calls: int = 10,
+    window: float = 0.03,
+    calls: int = 6,
 ) -> tuple[Hardware, dict[str, Any]]:
     """Measure this machine's 2 CPU ranks as a :class:`~mgtutor.plan.machine.Hardware`.
 
