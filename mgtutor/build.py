@@ -25,6 +25,7 @@ __all__ = [
     "needs_torchvision",
     "rank_start_method",
     "this_build",
+    "torch_release",
     "torchvision_for",
 ]
 
@@ -167,6 +168,27 @@ def loader_start_method() -> str:
     """
     methods = tuple(multiprocessing.get_all_start_methods())
     return "fork" if _fork_safe(platform.system(), methods) else "spawn"
+
+
+def torch_release(version: str | None = None) -> tuple[int, int]:
+    """torch's (major, minor) release, for version gates: ``torch_release() >= (2, 13)``.
+
+    A nightly or source build of 2.13 calls itself "2.13.0a0+git..." and has 2.13's code, but
+    ``torch.__version__ >= (2, 13)`` is False for it (a pre-release sorts before the release), so
+    such a gate would send it down the older path.
+
+    Example:
+        >>> torch_release("2.13.0a0+git1234")
+        (2, 13)
+    """
+    if version is None:
+        import torch
+
+        version = str(torch.__version__)
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"cannot read a torch release from {version!r}")
+    return int(found[1]), int(found[2])
 
 
 def torchvision_for(torch_version: str) -> str:

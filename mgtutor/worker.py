@@ -32,6 +32,15 @@ BACKENDS = ("gloo", "nccl")
 
 _state: dict[str, Any] = {"device": None, "backend": None}
 
+# torch's switch for a store-based barrier at the end of init_process_group and new_group
+# (read in torch.distributed.distributed_c10d, default "0"). Without it, a gloo rank counts a
+# connection as made once it has written its handshake into the peer's socket, so a rank whose
+# function returns at once can exit, closing that socket, while its peer is still connecting:
+# the peer then fails in connectFullMesh with "Connection closed by peer". Common on a busy
+# machine, where the peer is slow to be scheduled. With the barrier, no rank leaves
+# init_process_group (or new_group) before every rank has finished connecting.
+INIT_BARRIER_ENV = "TORCH_DIST_INIT_BARRIER"
+
 
 @dataclass(frozen=True)
 class WorkerContract:
@@ -187,6 +196,8 @@ def setup(
     """Join the default process group and pick this rank's device.
 
     Call it first thing inside a worker. Calling it again is harmless and returns the same device.
+    It returns once every rank has joined, so a rank may leave at once without breaking the join
+    of a slower one (unless TORCH_DIST_INIT_BARRIER=0 is set; see ``INIT_BARRIER_ENV``).
 
     Args:
         backend: "nccl" or "gloo". By default the one :func:`mgtutor.launch` was asked for, else
@@ -260,6 +271,7 @@ def setup(
             WORLD_SIZE=str(contract.world_size),
             LOCAL_WORLD_SIZE=str(contract.local_world_size),
         )
+    os.environ.setdefault(INIT_BARRIER_ENV, "1")  # see INIT_BARRIER_ENV; a value set is kept
     options: dict[str, Any] = {}
     if timeout_s is not None:
         options["timeout"] = timedelta(seconds=timeout_s)
@@ -345,9 +357,9 @@ def keep_destroyed_groups() -> None:
 
 
 def _destroy_holds_gil() -> bool:
-    import torch
+    from mgtutor.build import torch_release
 
-    return torch.__version__ < _FIXED_IN  # a TorchVersion: compares with a tuple
+    return torch_release() < _FIXED_IN
 
 
 def guard_destroy() -> None:

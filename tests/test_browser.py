@@ -762,8 +762,7 @@ def _planner_notebook(dest: Path) -> tuple[dict, Callable[..., tuple]]:
 def test_planner_widget_redraws_what_a_learner_picks(lab: Lab, browser) -> None:
     # Notebook 17's planner as a learner uses it: pick a ZeRO stage, type a number of layers.
     # The figure must change, and be draw_layout's for what the controls show, byte for byte.
-    # ZeRO-0, not 2 or 3: the defaults have a pipeline (pp=2), which the planner refuses with
-    # ZeRO-2/3, and a refused layout's figure does not change with the number of layers.
+    # ZeRO-0 with the defaults' pipeline (pp=2): a planned layout, whose figure follows the layers.
     import base64
 
     import matplotlib.pyplot as plt

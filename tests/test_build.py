@@ -349,3 +349,15 @@ def test_a_ranks_coloured_message_reaches_the_notebook_plain() -> None:
     error = info.value
     assert error.exc_message == "no such shard" and "raised ValueError: no such shard" in str(error)
     assert "\x1b" not in error.worker_traceback
+
+
+@pytest.mark.parametrize(
+    ("version", "release"),
+    [("2.13.0a0+git1234abc", (2, 13)), ("2.14.1+cu130", (2, 14)), ("2.4.1", (2, 4))],
+)
+def test_version_gates_read_the_release_a_nightly_has(version: str, release: tuple) -> None:
+    from torch.torch_version import TorchVersion
+
+    assert build_module.torch_release(version) == release
+    # What a gate written against torch.__version__ would have said of a nightly of 2.13:
+    assert (TorchVersion(version) >= release) is ("a0" not in version)

@@ -27,8 +27,8 @@ START_METHODS = ("forkserver", "spawn")
 
 
 def default_start_method() -> str:
-    """"forkserver" where forking a process that imported torch is safe (Linux), else "spawn"
-    (macOS: see :func:`mgtutor.build.rank_start_method`)."""
+    """How ranks start unless told: a forkserver where forking after torch is safe (Linux),
+    else spawn (macOS: see :func:`mgtutor.build.rank_start_method`)."""
     return rank_start_method()
 
 

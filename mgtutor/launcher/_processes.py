@@ -23,6 +23,7 @@ from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._relay import RankOutput
 from mgtutor.rank.loop import RankSpec, die_with_parent, rank_main
 from mgtutor.rank.messages import Context
+from mgtutor.worker import INIT_BARRIER_ENV
 
 # What the forkserver imports once, so that ranks forked from it need not. torch._dynamo is
 # here because DDP's constructor imports it: about 2.4 s per rank on a quiet 2-core machine,
@@ -161,6 +162,9 @@ def worker_environment(world_size: int, backend: str | None, port: int) -> dict[
         TORCHELASTIC_RESTART_COUNT="0",
         MGTUTOR_BACKEND=backend,
     )
+    if INIT_BARRIER_ENV not in os.environ:
+        # Also for a function that calls init_process_group or new_group itself, not setup().
+        common[INIT_BARRIER_ENV] = "1"
     loopback = _loopback_interface()
     if loopback:
         # One machine: keep gloo's and NCCL's own sockets on loopback too.

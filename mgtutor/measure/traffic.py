@@ -14,32 +14,27 @@ module checks it on CPU ranks and says where torch 2.14 does something else:
   then broadcasts each parameter from the rank that updated it (``_sync_params`` in
   ``torch/distributed/optim/zero_redundancy_optimizer.py``): 1.5x the paper's bytes. FSDP2
   (``fully_shard`` per layer and on the root) pads each parameter's first dimension to a
-  multiple of N, gathers each unit separately, and gathers the root once per micro-batch, not
-  twice (``reshard_after_forward=None``, the default, keeps the root's parameters from forward
-  to backward). With ``reshard_after_forward=False`` every unit is gathered once per
-  micro-batch (ZeRO-2's bytes, but again each micro-batch: parameters are sharded at rest).
-* :func:`count_steps` runs a few steps of each strategy inside a rank and records each one.
-* :func:`totals` sums collectives by name, to set torch's pattern beside the paper's.
+  multiple of N, gathers each unit separately, and the root once per micro-batch, not twice
+  (``reshard_after_forward=None``, the default, keeps the root's parameters for backward).
+  With ``reshard_after_forward=False`` every unit is gathered once per micro-batch.
+* :func:`count_steps` records a few steps of each strategy inside a rank; :func:`totals` sums
+  collectives by name, to set torch's pattern beside the paper's.
 
-How calls are counted: a ``TorchDispatchMode`` sees every ``c10d`` operator, the layer that
-every ``ProcessGroup`` call goes through, whoever makes it: DDP's reducer from C++, FSDP2,
-``ZeroRedundancyOptimizer`` and the pipeline schedules from Python, point-to-point sends
-included. Wrapping ``torch.distributed``'s Python functions misses the reducer (it would
-need a communication hook that all-reduces from Python) and depends on which of two names a
-library calls (``all_gather_single`` or ``all_gather_into_tensor``); Flight Recorder on gloo
-sees every collective but not ``send`` and ``recv``. A dispatch mode holds for the thread that
-enters it (on CPU, autograd runs backward on that thread); a collective started from another
-thread is not seen.
+How calls are counted: a ``TorchDispatchMode`` sees every ``c10d`` operator, which every
+``ProcessGroup`` call goes through, whoever makes it (DDP's reducer from C++, FSDP2,
+``ZeroRedundancyOptimizer``, the pipeline schedules, point-to-point sends). Wrapping
+``torch.distributed``'s Python functions misses the reducer and depends on which of two names a
+library calls; Flight Recorder on gloo misses ``send`` and ``recv``. A dispatch mode holds for
+the thread that enters it (on CPU, autograd runs backward on that thread).
 
 The bytes a GPU sends per call follow the textbook ring on N ranks, written here apart from
 the planner's so that the two can disagree: (N-1)/N of the buffer for an all-gather, a
-reduce-scatter, an all-to-all and a broadcast (a broadcast's root sends it all; on average
-over the ranks every algorithm sends (N-1)/N, since N-1 ranks receive it once), 2(N-1)/N for
-an all-reduce, the whole buffer for a send, nothing for a receive. That is what torch asks
-of the process group, and what NCCL's ring sends. gloo differs below it: ProcessGroupGloo
+reduce-scatter, an all-to-all and a broadcast (on average over the ranks: N-1 of them receive
+it once), 2(N-1)/N for an all-reduce, the whole buffer for a send, nothing for a receive: what
+torch asks of the process group, and what NCCL's ring sends. gloo differs below it: ProcessGroupGloo
 runs a reduce-scatter as an all-reduce of the whole buffer, each rank then keeping its chunk
 (``reduce_scatter_tensor_coalesced``; Flight Recorder names the call ``gloo:all_reduce``), so
-on CPU ranks FSDP's reduce-scatters send twice the ring's bytes.
+on CPU ranks FSDP's reduce-scatters send twice the ring's bytes: :func:`bytes_written` sees it.
 """
 
 from __future__ import annotations
@@ -61,6 +56,7 @@ from mgtutor.plan.planner import Collective, Transformer
 __all__ = [
     "Call",
     "build",
+    "bytes_written",
     "count_steps",
     "record_collectives",
     "tally",
@@ -202,6 +198,19 @@ def totals(collectives: Iterable[Collective]) -> dict[str, tuple[int, int, int]]
     return out
 
 
+def bytes_written() -> int | None:
+    """Bytes this process (all threads) has passed to write system calls: ``wchar`` in Linux's
+    ``/proc/self/io``; None elsewhere. gloo's TCP transport writes each message it sends, so
+    across a collective the difference is what this rank sent, plus a few hundred bytes of
+    headers per message (32 KiB all-reduced on 2 gloo ranks: 33,344 bytes)."""
+    try:
+        with open("/proc/self/io", encoding="ascii") as io:
+            fields = dict(line.split(": ", 1) for line in io.read().splitlines() if ": " in line)
+    except OSError:
+        return None
+    return int(fields["wchar"]) if "wchar" in fields else None
+
+
 def _require_shapes(model: Transformer) -> None:
     if model.params is not None:
         raise ValueError("a Transformer given by params= has no layer shapes to build")
@@ -309,10 +318,7 @@ def count_steps(
     ``model.micro_batch`` sequences (a loss of ``output.pow(2).mean()``), then Adam's step.
 
     Example:
-        >>> def work():
-        ...     mgtutor.setup()
-        ...     return count_steps("zero1", Transformer(2, 8, 2, 4, vocab=11))[-1]
-        >>> tally(mgtutor.launch(work, world_size=2, backend="gloo").results[0])
+        >>> tally(count_steps("zero1", Transformer(2, 8, 2, 4, vocab=11))[-1])  # inside a rank
 
     Args:
         strategy: ``"ddp"``; ``"zero1"`` (DDP and ``ZeroRedundancyOptimizer``); ``"zero2"`` /

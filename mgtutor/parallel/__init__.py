@@ -7,6 +7,8 @@
 * :mod:`.tensor`: layers split across ranks from a one-process layer: column- and row-parallel
   linears, an MLP and attention split by heads, a block with or without sequence parallelism
   (notebook 13).
+* :mod:`.tensor_random`: Megatron-LM's two dropout seeds, the default one alike on every
+  tensor-parallel rank and a tracked one per rank, entered with ``fork()`` (notebook 13).
 * :mod:`.gpt_layer`: a Megatron-style GPT layer whose tensors kept for backward are the ones
   Korthikanti et al. count, whole or split (tensor and sequence parallel), and what autograd
   saved, by term (notebook 17).

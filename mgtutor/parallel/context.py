@@ -326,7 +326,9 @@ class SentBytes(TorchDispatchMode):
     (``c10d.send``, ``c10d.recv_``), ``dist.all_to_all_single`` (``c10d.alltoall_base_``) and
     torch's functional collectives (``_c10d_functional.*``, which torch's context parallelism
     calls). An all-gather sends its input to each other rank; an all-to-all sends every slice
-    but this rank's own.
+    but this rank's own. An operator on DTensors is let through first, as torch's
+    ``CommDebugMode`` does, so the collectives DTensor runs to redistribute its inputs are
+    recorded too.
     """
 
     def __init__(self) -> None:
@@ -334,6 +336,8 @@ class SentBytes(TorchDispatchMode):
         self.records: list[tuple[str, int, int]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        if any(getattr(t, "__name__", "") == "DTensor" for t in types):
+            return NotImplemented  # DTensor runs it and its collectives come back through here
         result = func(*args, **(kwargs or {}))
         name = f"{getattr(func, 'namespace', '')}.{getattr(func, '_opname', '')}"
         rank, world = dist.get_rank(), dist.get_world_size()

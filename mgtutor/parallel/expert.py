@@ -22,8 +22,9 @@ per expert, which has no backward): the layer's own account of what it meant to 
 and keeps every ``all_to_all_single`` that ran, with the tensors it sent and received.
 :class:`MoE` is the one-process layer;
 :class:`ExpertParallelMoE` the same layer on ranks, built from it. Capacity is applied per
-group of tokens (a rank's tokens), in token order, as Switch does; a token whose every choice
-is dropped gets 0 from the layer (a transformer's residual connection carries it on).
+group of tokens (a rank's tokens), first choices in token order, then second choices (as
+DeepSpeed's ``top2gating`` does); a token whose every choice is dropped gets 0 from the layer (a
+transformer's residual connection carries it on).
 """
 
 from __future__ import annotations
@@ -154,7 +155,12 @@ def all_to_all(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tenso
 
 
 def capacity(tokens: int, num_experts: int, k: int, factor: float) -> int:
-    """Switch Transformer's expert capacity: ``ceil(factor * tokens * k / num_experts)``."""
+    """Assignments one expert takes from a group: ``ceil(factor * tokens * k / num_experts)``.
+
+    Switch Transformer's ``tokens / num_experts * factor`` (Fedus et al. 2021, eq. 3, where
+    ``k = 1``), counted in assignments and rounded up as Megatron-Core's ``get_capacity`` and
+    DeepSpeed's ``_capacity`` do for top-k routing.
+    """
     return math.ceil(factor * tokens * k / num_experts)
 
 
@@ -181,7 +187,9 @@ def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor) -> torch.Ten
     """Switch Transformer's auxiliary loss, ``N * sum_i f_i * P_i`` (arXiv:2101.03961).
 
     ``f_i`` is the fraction of the ``tokens * k`` assignments routed to expert i (before
-    capacity), ``P_i`` the router's mean probability for it. Uniform routing gives 1.0, which
+    capacity), as Megatron-Core's ``switch_load_balancing_loss_func`` counts them (DeepSpeed's
+    ``top2gating`` counts first choices only); ``P_i`` the router's mean probability for it.
+    Switch's coefficient ``alpha`` is left to the caller. Uniform routing gives 1.0, which
     is not a lower bound: 2 experts, 90 tokens at probabilities (0.51, 0.49) and 10 at (0, 1)
     give 0.934. Only ``P`` carries a gradient (``f`` comes from an argmax).
     """
@@ -278,7 +286,8 @@ class ExpertParallelMoE(nn.Module):
 
     Build it on every rank from the same ``MoE``: it shares that MoE's router and copies this
     rank's experts, so its parameters are what the rank holds. The router's gradient is this
-    rank's part: all-reduce it (sum) as data parallelism would. ``plan`` replaces
+    rank's part: all-reduce it with a sum (DDP would average: right only if each rank's loss is
+    scaled by the world size). ``plan`` replaces
     :func:`plan_dispatch` (notebook 16's exercise). ``last`` keeps the latest forward's counts
     (``per_expert``, ``send``, ``recv``, ``dropped``) for inspection.
     """

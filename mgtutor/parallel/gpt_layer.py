@@ -22,6 +22,11 @@ keep only the rank's shard for backward and all-gather it again there (:func:`ga
 ``keep_gathered=True`` keeps the whole gathered input instead (as
 :class:`mgtutor.parallel.tensor.ParallelBlock` does).
 
+Given ``rng`` (a :class:`mgtutor.parallel.tensor_random.RNGStatesTracker`), both layers draw
+dropout's random numbers as Megatron-LM does: the attention's dropout inside ``rng.fork()``,
+the residual dropouts from the default generator, and under sequence parallelism the whole layer
+inside ``rng.fork()``. ``dropout_masks``, set to a list, collects every mask drawn, in order.
+
 :func:`saved_by_autograd` lists what autograd saved, by the operator that saved it, and
 :func:`kept_by_term` names it by the paper's terms;
 :func:`mgtutor.measure.activations.kept_for_backward` measures the bytes a layer keeps.
@@ -29,6 +34,7 @@ keep only the rank's shard for backward and all-gather it again there (:func:`ga
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Any
@@ -47,6 +53,7 @@ from mgtutor.parallel.tensor_comms import (
     reduce_from_parallel,
     reduce_scatter_to_sequence,
 )
+from mgtutor.parallel.tensor_random import RNGStatesTracker
 
 __all__ = [
     "GPTLayer",
@@ -69,17 +76,28 @@ class GPTLayer(nn.Module):
         p: dropout probability (attention probabilities and both residual branches).
         mask: "bool" (``torch.native_dropout``: a 1-byte mask) or "float"
             (``torch.nn.functional.dropout``: on CPU a mask of the input's dtype).
+        rng: the tracked random state the attention's dropout draws from (Megatron-LM's
+            ``fork()``); None draws every mask from the default generator. Not with
+            recomputation: torch's checkpoint restores the default state only.
     """
 
     def __init__(
-        self, hidden: int, heads: int, ffn: int | None = None, p: float = 0.1, mask: str = "bool"
+        self,
+        hidden: int,
+        heads: int,
+        ffn: int | None = None,
+        p: float = 0.1,
+        mask: str = "bool",
+        rng: RNGStatesTracker | None = None,
     ) -> None:
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden {hidden} must be a multiple of heads {heads}")
         if mask not in ("bool", "float"):
             raise ValueError(f"mask must be 'bool' or 'float', got {mask!r}")
-        self.heads, self.p, self.mask = heads, p, mask
+        self.heads, self.p, self.mask, self.rng = heads, p, mask, rng
+        self.sequence_parallel = False
+        self.dropout_masks: list[torch.Tensor] | None = None  # a list: each mask drawn, appended
         ffn = ffn or 4 * hidden
         self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
         # Rows of qkv run head by head, (q, k, v) inside each head, as Megatron-LM lays them out:
@@ -97,8 +115,20 @@ class GPTLayer(nn.Module):
         if not self.training or self.p == 0:
             return x
         if self.mask == "float":
+            if self.dropout_masks is not None:
+                raise ValueError("dropout_masks records the masks of mask='bool' only")
             return F.dropout(x, self.p, training=True)
-        return torch.native_dropout(x, self.p, True)[0]
+        out, kept = torch.native_dropout(x, self.p, True)
+        if self.dropout_masks is not None:
+            self.dropout_masks.append(kept)
+        return out
+
+    def forked(self, region: str) -> contextlib.AbstractContextManager[Any]:
+        """``rng.fork()`` where Megatron-LM forks: ``region`` "attention" (the attention's
+        dropout, its heads split) without sequence parallelism, "layer" (all of it) with it."""
+        if self.rng is None or (region == "layer") != self.sequence_parallel:
+            return contextlib.nullcontext()
+        return self.rng.fork()
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
         """Attention of this module's heads, from the fused projection's output ``qkv``."""
@@ -110,6 +140,11 @@ class GPTLayer(nn.Module):
 
         q, k, v = take(0), take(1), take(2)
         if self.checkpoint_core:
+            if self.rng is not None:
+                raise ValueError(
+                    "checkpoint_core with rng: the recomputation would draw the next mask of the "
+                    "forked state, not the one forward used; use one or the other"
+                )
             core = torch.utils.checkpoint.checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
             core = self.core(q, k, v)
@@ -124,7 +159,9 @@ class GPTLayer(nn.Module):
         scores.add_(
             torch.full((s, s), float("-inf"), dtype=q.dtype, device=q.device).triu(1)
         )  # keeps nothing
-        return torch.bmm(self.dropout(F.softmax(scores, dim=-1)), v)
+        with self.forked("attention"):
+            probs = self.dropout(F.softmax(scores, dim=-1))
+        return torch.bmm(probs, v)
 
 
 class _GatherLinear(torch.autograd.Function):
@@ -168,16 +205,22 @@ class ParallelGPTLayer(GPTLayer):
         sequence_parallel: split the norms and dropouts along the sequence.
         keep_gathered: under sequence parallelism, keep the whole all-gathered input of ``qkv``
             and ``fc1`` for backward instead of the shard.
+        rng: this rank's tracked random state (:func:`.tensor_random.model_parallel_seed`).
     """
 
     def __init__(
-        self, layer: GPTLayer, sequence_parallel: bool = False, keep_gathered: bool = False
+        self,
+        layer: GPTLayer,
+        sequence_parallel: bool = False,
+        keep_gathered: bool = False,
+        rng: RNGStatesTracker | None = None,
     ) -> None:
         nn.Module.__init__(self)
         rank, world = dist.get_rank(), dist.get_world_size()
         if layer.heads % world:
             raise ValueError(f"{layer.heads} heads cannot be split evenly over {world} ranks")
-        self.heads, self.p, self.mask = layer.heads // world, layer.p, layer.mask
+        self.heads, self.p, self.mask, self.rng = layer.heads // world, layer.p, layer.mask, rng
+        self.dropout_masks = None
         self.sequence_parallel, self.keep_gathered = sequence_parallel, keep_gathered
         self.checkpoint_core = layer.checkpoint_core
         self.norm1, self.norm2 = copy.deepcopy(layer.norm1), copy.deepcopy(layer.norm2)
@@ -187,11 +230,12 @@ class ParallelGPTLayer(GPTLayer):
         self.fc2 = _split(layer.fc2, 1, rank, world)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(
-            self._leave(self.proj, self.attend(self._enter(self.qkv, self.norm1(x))))
-        )
-        hidden = F.gelu(self._enter(self.fc1, self.norm2(x)))
-        return x + self.dropout(self._leave(self.fc2, hidden))
+        with self.forked("layer"):
+            x = x + self.dropout(
+                self._leave(self.proj, self.attend(self._enter(self.qkv, self.norm1(x))))
+            )
+            hidden = F.gelu(self._enter(self.fc1, self.norm2(x)))
+            return x + self.dropout(self._leave(self.fc2, hidden))
 
     def _enter(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:

@@ -197,21 +197,17 @@ def one_f_one_b_order(stage: int, n_stages: int, n_micro: int) -> list[Action]:
     return order + [("B", i) for i in range(n_micro - warmup, n_micro)]
 
 
-def tick_table(orders: Sequence[Sequence[Action]]) -> list[list[Action | None]]:
-    """Play each stage's actions with one tick per action, as early as the data allows.
+Length = Callable[[int, str], int]  # (stage, kind) -> how many ticks the action lasts
 
-    ``F`` of micro-batch i on stage s waits for ``F`` i on stage s - 1; ``B`` i on stage s for
-    ``B`` i on stage s + 1 (the last stage's ``B`` for its own ``F``). A stage runs its actions
-    in its order.
 
-    Returns:
-        One row per stage: what it runs at each tick, None when idle (the bubble).
-
-    Raises:
-        ValueError: the orders wait for each other forever (a deadlock).
-    """
+def tick_table(
+    orders: Sequence[Sequence[Action]], length: Length | None = None
+) -> list[list[Action | None]]:
+    """:func:`replay_ticks` with one stage per rank: what each stage runs at each tick, None when
+    idle (the bubble). ``F`` i on stage s waits for ``F`` i on stage s - 1, ``B`` i for ``B`` i on
+    stage s + 1 (the last stage's for its own ``F``). ValueError if the orders deadlock."""
     ticks = replay_ticks(
-        [[(s, kind, i) for kind, i in o] for s, o in enumerate(orders)], len(orders)
+        [[(s, kind, i) for kind, i in o] for s, o in enumerate(orders)], len(orders), length
     )
     return [[None if a is None else a[1:] for a in row] for row in ticks]
 
@@ -219,13 +215,17 @@ def tick_table(orders: Sequence[Sequence[Action]]) -> list[list[Action | None]]:
 Step = tuple[int, str, int]  # (stage, kind, micro-batch), kind "F", "B", "I" or "W"
 
 
-def replay_ticks(orders: Sequence[Sequence[Step]], n_stages: int) -> list[list[Step | None]]:
+def replay_ticks(
+    orders: Sequence[Sequence[Step]], n_stages: int, length: Length | None = None
+) -> list[list[Step | None]]:
     """Play each rank's actions, one tick each, as early as the data allows (free messages).
 
     A rank may run several stages (interleaved and V schedules). ``F`` of micro-batch i on
     stage s waits for ``F`` i on stage s - 1; ``B`` (full backward) or ``I`` (input gradient)
     i on stage s for ``B`` or ``I`` i on stage s + 1, the last stage's for its own ``F``; ``W``
     (weight gradient) i for ``I`` i on the same stage. A rank runs its actions in its order.
+    ``length(stage, kind)``, if given, is how many ticks (1 or more) an action fills in its
+    row; what waits for it waits for its last.
 
     Returns:
         One row per rank: what it runs at each tick, None when idle.
@@ -234,11 +234,15 @@ def replay_ticks(orders: Sequence[Sequence[Step]], n_stages: int) -> list[list[S
         ValueError: the orders wait for each other forever (a deadlock).
     """
     n = len(orders)
-    done: dict[tuple[int, str, int], int] = {}  # (stage, "F"/"B"/"W", mb): its tick
-    position, rows, tick = [0] * n, [[] for _ in range(n)], 0
-    while any(position[r] < len(orders[r]) for r in range(n)):
+    done: dict[tuple[int, str, int], int] = {}  # (stage, "F"/"B"/"W", mb): its last tick
+    position, rows, tick, busy_until = [0] * n, [[] for _ in range(n)], 0, [-1] * n
+    while any(position[r] < len(orders[r]) or busy_until[r] >= tick for r in range(n)):
         ran = False
         for r in range(n):
+            if busy_until[r] >= tick:  # still running the action it started
+                rows[r].append(rows[r][-1])
+                ran = True
+                continue
             if position[r] == len(orders[r]):
                 rows[r].append(None)
                 continue
@@ -249,7 +253,8 @@ def replay_ticks(orders: Sequence[Sequence[Step]], n_stages: int) -> list[list[S
             }.get(kind, (s + 1, "B", i) if s < n_stages - 1 else (s, "F", i))
             if need is None or done.get(need, tick) < tick:
                 rows[r].append((s, kind, i))
-                done[(s, "B" if kind == "I" else kind, i)] = tick
+                busy_until[r] = tick + (1 if length is None else length(s, kind)) - 1
+                done[(s, "B" if kind == "I" else kind, i)] = busy_until[r]
                 position[r] += 1
                 ran = True
             else:
@@ -264,7 +269,8 @@ def replay_ticks(orders: Sequence[Sequence[Step]], n_stages: int) -> list[list[S
 
 
 def bubble_fraction(n_stages: int, n_micro: int) -> float:
-    """The idle share of a GPipe or 1F1B step with equal ticks: ``(p - 1) / (m + p - 1)``."""
+    """The idle share of a GPipe or 1F1B step with equal stages (a backward need not take a
+    forward's time) and free messages: ``(p - 1) / (m + p - 1)``, on every stage."""
     return (n_stages - 1) / (n_micro + n_stages - 1)
 
 

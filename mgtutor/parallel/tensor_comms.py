@@ -41,6 +41,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mgtutor.parallel._tally import Tally
 
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch without the public DTensor (before 2.5)
+        return None
+    return DTensor
+
+
+_DTENSOR = _dtensor_type()
+
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -123,7 +134,9 @@ class CollectiveCounter(TorchDispatchMode):
     records: the kind, the phase (``"backward"`` while autograd's engine is running a node,
     ``torch._C._current_autograd_node()``), and the bytes of the largest tensor among the
     operator's inputs and outputs (an all-reduce's tensor, an all-gather's output, a
-    reduce-scatter's input: the whole buffer). ``get_comm_counts()`` returns
+    reduce-scatter's input: the whole buffer). An operator on DTensors is handed to DTensor
+    first (as ``CommDebugMode`` does), so the collectives it runs to redistribute its inputs
+    are seen one by one. ``get_comm_counts()`` returns
     ``{"namespace.operator": calls}``, which :func:`by_kind` reads as it reads
     ``CommDebugMode().get_comm_counts()``: DTensor's collectives (``_c10d_functional.*``, run on
     the local tensors) and ``torch.distributed``'s (``c10d.*``) alike.
@@ -145,6 +158,11 @@ class CollectiveCounter(TorchDispatchMode):
         self.calls: list[Collective] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _DTENSOR is not None and _DTENSOR in types:
+            # Let DTensor run first: an operator on DTensors redistributes its inputs (a Partial
+            # gradient read by an optimizer's step) with collectives on the local tensors, which
+            # come back here. Calling func instead would run them where this mode cannot see.
+            return NotImplemented
         out = func(*args, **(kwargs or {}))
         name = getattr(func, "_opname", "")
         if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES and any(

@@ -4,9 +4,10 @@
   buckets) per strategy (DDP, ZeRO-1, FSDP, TP), and :class:`~.memplan.MemoryBreakdown`, the
   record that :mod:`mgtutor.measure.breakdown` fills with what a rank measured.
 * :mod:`.planner`: a transformer's memory per GPU and communication per step, from published
-  formulas, for any layout of data (ZeRO 0-3), tensor and pipeline parallelism.
+  formulas, for any layout of data (ZeRO 0-3), tensor and pipeline parallelism; the model's
+  shape is a :class:`~.shape.Transformer`.
 * :mod:`.plan_rules`: the planner's rules about what runs: TP and SP collectives per layer,
-  the layouts torch refuses, the pipeline bubble and the ranking rule.
+  FSDP under a pipeline, the pipelines torch refuses, the bubble and the ranking rule.
 * :mod:`.step_time`: the planner's clock: a layout's predicted step time by part (products and
   memory-bound operations at their sharded shapes, each collective on its link, the pipeline
   played out, what each technique overlaps, DDP's copies, the optimizer step), and the layouts

@@ -1,4 +1,4 @@
-"""The planner's rules about what runs: collectives per layer, layouts torch refuses, the bubble.
+"""The planner's rules about what runs: collectives per layer, pipelines torch refuses, the bubble.
 
 :mod:`mgtutor.plan.planner` does the arithmetic of bytes; this module holds the rules that
 decide which calls a layout makes and whether torch runs it at all, each checked against what
@@ -7,7 +7,9 @@ runs (``tests/plan/test_planner.py``):
 * :func:`tp_collectives_per_layer`: the tensor- and sequence-parallel collectives one layer runs
   per micro-batch, counted on 2 CPU ranks with :class:`mgtutor.parallel.gpt_layer.ParallelGPTLayer`
   (and ``torch.utils.checkpoint`` around it for full recomputation).
-* :func:`refusal`: why torch does not run a layout, or None.
+* :func:`refusal`: why torch does not run a pipeline, or None; :func:`in_flight`, the
+  micro-batches a stage keeps activations for, by schedule (:data:`SCHEDULES`);
+  :func:`fsdp_in_pipeline`, when FSDP holds a whole stage unsharded within the step.
 * :func:`bubble` and :func:`bubble_scaled_bytes`, the rule :func:`~mgtutor.plan.planner.layouts`
   ranks by (:data:`RANKING_RULE`). :func:`mgtutor.plan.step_time.ranked` ranks by time instead.
 """
@@ -21,8 +23,11 @@ __all__ = [
     "MAX_BUBBLE",
     "RANKING_RULE",
     "bubble",
+    "SCHEDULES",
     "bubble_scaled_bytes",
     "candidate_layouts",
+    "fsdp_in_pipeline",
+    "in_flight",
     "rank_key",
     "refusal",
     "refused_layouts",
@@ -31,6 +36,10 @@ __all__ = [
 
 #: Pipelines idling more than this fraction of a step rank after every other layout.
 MAX_BUBBLE = 0.25
+
+#: The pipeline schedules the planner plans, by the name of torch's class
+#: (``torch.distributed.pipelining``).
+SCHEDULES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}
 
 RANKING_RULE = (
     "a layout whose pipeline bubble (p-1)/(m+p-1) exceeds max_bubble comes after every one "
@@ -76,23 +85,45 @@ def bubble(pp: int, micro_batches: int) -> float:
     return (pp - 1) / (micro_batches + pp - 1)
 
 
-def refusal(*, dp: int, pp: int, zero: int, micro_batches: int) -> str | None:
-    """Why torch does not run this layout as the planner would plan it, or None if it does."""
-    if pp > 1 and micro_batches < pp:
+def refusal(*, pp: int, micro_batches: int, schedule: str = "1F1B") -> str | None:
+    """Why torch does not run this pipeline, or None if it does.
+
+    ``Schedule1F1B`` raises ValueError with fewer micro-batches than stages (as do
+    ``ScheduleDualPipeV`` and ``ScheduleZBVZeroBubble``); ``ScheduleGPipe`` runs any number
+    (``pipelining/schedules.py``, torch 2.11 to 2.15). FSDP (ZeRO-2/3) under a pipeline runs:
+    see :func:`~mgtutor.plan.planner.plan`.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if schedule == "1F1B" and pp > 1 and micro_batches < pp:
         return (
             f"pp={pp} with {micro_batches} micro-batches: torch's Schedule1F1B raises ValueError "
             "when there are fewer micro-batches than stages (pipelining/schedules.py, torch "
-            "2.11 to 2.15); use at least as many micro-batches as stages"
-        )
-    if pp > 1 and zero >= 2 and dp > 1:
-        return (
-            f"ZeRO-{zero} with pp={pp}: torch's pipeline stage keeps FSDP's gradients unsharded "
-            "between micro-batches (set_requires_gradient_sync(False) and "
-            "set_reshard_after_backward(False) in pipelining/stage.py, torch 2.11 and 2.14) and "
-            "DeepSpeed refuses the combination, so the sharded gradients the stage promises "
-            "are not what runs; use ZeRO-1 with a pipeline"
+            "2.11 to 2.15); use at least as many micro-batches as stages, or GPipe"
         )
     return None
+
+
+def fsdp_in_pipeline(*, dp: int, pp: int, zero: int) -> bool:
+    """Whether FSDP (ZeRO-2/3) runs under a pipeline, holding its stage unsharded in the step.
+
+    torch's pipeline stage keeps an FSDP module's parameters and gradients unsharded from one
+    micro-batch's backward to the next and reduce-scatters after the last
+    (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``,
+    ``perform_reduce_grad`` in ``distributed/pipelining/stage.py``, torch 2.11 to 2.15);
+    torchtitan keeps them after forward too (``reshard_after_forward`` False when pipelining:
+    ``get_fsdp_reshard_after_forward_policy`` in ``torchtitan/distributed/fsdp.py``). So the
+    stage is gathered once and reduce-scattered once per step, and held whole in between.
+    """
+    return pp > 1 and zero >= 2 and dp > 1
+
+
+def in_flight(pp: int, micro_batches: int, schedule: str = "1F1B") -> int:
+    """Micro-batches whose activations the first stage holds at once: 1F1B starts a backward
+    after p forwards, min(m, p); GPipe runs every forward first, m; 1 without a pipeline."""
+    if pp == 1:
+        return 1
+    return micro_batches if schedule == "GPipe" else min(micro_batches, pp)
 
 
 def bubble_scaled_bytes(plan: Any) -> float:
@@ -119,7 +150,12 @@ def candidate_layouts(
 
 
 def refused_layouts(
-    model: Any, gpus: int, *, zero: tuple[int, ...] = (0, 1, 2, 3), micro_batches: int = 1
+    model: Any,
+    gpus: int,
+    *,
+    zero: tuple[int, ...] = (0, 1, 2, 3),
+    micro_batches: int = 1,
+    schedule: str = "1F1B",
 ) -> list[tuple[str, str]]:
     """What :func:`~mgtutor.plan.planner.layouts` leaves out as torch does not run it.
 
@@ -128,9 +164,9 @@ def refused_layouts(
     """
     out = []
     for tp, pp, stage in candidate_layouts(model, gpus, zero):
-        dp = gpus // (tp * pp)
-        reason = refusal(dp=dp, pp=pp, zero=stage, micro_batches=micro_batches)
+        reason = refusal(pp=pp, micro_batches=micro_batches, schedule=schedule)
         if reason:
+            dp = gpus // (tp * pp)
             name = f"dp={dp}" + (f" (ZeRO-{stage})" if stage else "") + f" x tp={tp} x pp={pp}"
             out.append((name, reason))
     return out

@@ -27,8 +27,8 @@ Sources of the formulas:
   Models", arXiv:2205.05198, section 4 and table 2 (16-bit activations, per layer).
 * Tensor parallelism: Shoeybi et al., "Megatron-LM", arXiv:1909.08053, section 3: two
   all-reduces of the layer's activation forward and two backward per layer (notebook 13).
-  Sequence parallelism, recomputation, what torch refuses, the bubble and the ranking rule:
-  :mod:`~mgtutor.plan.plan_rules`.
+  Sequence parallelism, recomputation, FSDP under a pipeline, what torch refuses, the bubble
+  and the ranking rule: :mod:`~mgtutor.plan.plan_rules`.
 * Float32 gradients with 16-bit parameters ("mixed_fp32_grads"): Megatron-LM's
   ``docs/source/api-guide/dist_optimizer.md`` (commit 50b073c), "float16 param, fp32 grads |
   18 | 6 + 12/d" bytes per parameter: gradients are accumulated and reduced in float32.
@@ -50,13 +50,17 @@ from mgtutor.plan.activation_plan import (
 from mgtutor.plan.plan_rules import (
     MAX_BUBBLE,
     RANKING_RULE,
+    SCHEDULES,
     bubble,
     candidate_layouts,
+    fsdp_in_pipeline,
+    in_flight,
     rank_key,
     refusal,
     refused_layouts,
     tp_collectives_per_layer,
 )
+from mgtutor.plan.shape import Transformer
 
 __all__ = [
     "ACTIVATIONS_SOURCE",
@@ -65,6 +69,7 @@ __all__ = [
     "Collective",
     "Plan",
     "RANKING_RULE",
+    "SCHEDULES",
     "Transformer",
     "activation_bytes_per_layer",
     "activation_terms",
@@ -83,63 +88,6 @@ BYTES_PER_PARAMETER: dict[str, tuple[int, int, int]] = {
     "fp32": (4, 4, 8),
     "mixed_fp32_grads": (2, 4, 12),
 }
-
-
-@dataclass(frozen=True)
-class Transformer:
-    """The shape of a decoder-only transformer, as the formulas need it.
-
-    The parameter count, unless given, is the one of :class:`mgtutor.parallel.tensor.Block`
-    (GPT-2's layer): per layer q, k, v and output projections with biases (4h² + 4h), an MLP
-    of width ``ffn`` with biases (2h·ffn + ffn + h) and two LayerNorms (4h); plus a tied
-    embedding of ``vocab`` x h. Position embeddings and the final norm are left out.
-
-    Args:
-        layers: number of transformer layers (L).
-        hidden: hidden size (h).
-        heads: attention heads (a).
-        seq_len: sequence length (s).
-        micro_batch: sequences per micro-batch (b).
-        ffn: the MLP's inner width; 4h by default.
-        vocab: vocabulary size (V); 0 for a stack of layers without an embedding.
-        params: the total parameter count, for a model whose layers differ from GPT-2's
-            (gated MLPs, no biases); each layer then holds ``(params - embedding) / layers``.
-    """
-
-    layers: int
-    hidden: int
-    heads: int
-    seq_len: int
-    micro_batch: int = 1
-    ffn: int | None = None
-    vocab: int = 0
-    params: int | None = None
-
-    @property
-    def embedding(self) -> int:
-        """Parameters of the (tied) token embedding: V·h."""
-        return self.vocab * self.hidden
-
-    @property
-    def replicated_per_layer(self) -> int:
-        """Parameters tensor parallelism keeps whole on every rank: two norms and the two
-        row-parallel biases, 6h (Megatron-LM's split)."""
-        return 6 * self.hidden
-
-    @property
-    def per_layer(self) -> int:
-        """Parameters of one layer: 4h² + 2h·ffn + 9h + ffn, or from ``params``."""
-        if self.params is not None:
-            return (self.params - self.embedding) // self.layers
-        h, f = self.hidden, self.ffn or 4 * self.hidden
-        return 4 * h * h + 2 * h * f + 9 * h + f
-
-    @property
-    def total(self) -> int:
-        """All parameters: L x per layer + embedding (``params`` when given)."""
-        if self.params is not None:
-            return self.params
-        return self.layers * self.per_layer + self.embedding
 
 
 @dataclass(frozen=True)
@@ -166,8 +114,9 @@ class Plan:
     """What one GPU holds and sends in a step of a layout (the busiest GPU: the first stage).
 
     ``memory`` maps each category to bytes: parameters, gradients, optimizer_state,
-    communication (DDP's buckets, when counted), transient (ZeRO-3's all-gathered unit and its
-    unsharded gradients), activations and logits (the output layer's float32 logits).
+    communication (DDP's buckets, when counted), transient (what FSDP holds unsharded: ZeRO-3's
+    all-gathered unit and its gradients; under a pipeline, the whole stage's parameters and
+    gradients), activations and logits (the output layer's float32 logits).
     """
 
     dp: int
@@ -180,6 +129,7 @@ class Plan:
     gpu_memory: int
     micro_batches: int = 1
     activations_source: str = ACTIVATIONS_SOURCE
+    schedule: str = "1F1B"
 
     @property
     def bubble(self) -> float:
@@ -235,6 +185,7 @@ def plan(
     keep_gathered: bool = False,
     recompute: str = "none",
     ddp_buckets: bool = False,
+    schedule: str = "1F1B",
 ) -> Plan:
     """Memory per GPU by category and communication per step, for one layout.
 
@@ -250,8 +201,11 @@ def plan(
       torch's default, ``gradient_as_bucket_view=False``), for ZeRO 0 and 1 only.
     * transient (ZeRO-3): the largest unit (one layer, or the embedding) all-gathered, padded
       to N shards, plus its unsharded gradients: 2 x ceil(unit/N)·N·B_p (FSDP2 per layer).
-    * activations: :func:`activation_bytes_per_layer` x ceil(L/pp) layers x min(micro_batches,
-      pp) micro-batches in flight (1F1B; Korthikanti et al. section 4.2.3).
+      Under a pipeline FSDP (ZeRO-2/3) holds the whole stage unsharded through the step: its
+      gradients, M·B_g, and with ZeRO-3 its parameters, ceil(M/N)·N·B_p.
+    * activations: :func:`activation_bytes_per_layer` x ceil(L/pp) layers x the micro-batches
+      in flight, :func:`~mgtutor.plan.plan_rules.in_flight` (1F1B: min(micro_batches, pp),
+      Korthikanti et al. section 4.2.3; GPipe: micro_batches).
     * logits (pp = 1 only: with a pipeline the last stage holds them, not the planned first):
       the output layer's b·s·V/t logits in float32, as the loss upcasts them (4 bytes each).
 
@@ -259,7 +213,8 @@ def plan(
     reduce-scatter them (ZeRO-2 per micro-batch: it keeps no whole gradients) and all-gather
     the updated parameters (the ZeRO paper's 2x the parameters); ZeRO-3 all-gathers the
     parameters in forward and again in backward and reduce-scatters the gradients, per
-    micro-batch (3x). Tensor parallelism: the b·s·h activation, per layer per micro-batch,
+    micro-batch (3x); under a pipeline, FSDP gathers once and reduce-scatters once per step
+    (2x). Tensor parallelism: the b·s·h activation, per layer per micro-batch,
     :func:`~mgtutor.plan.plan_rules.tp_collectives_per_layer` times (4 all-reduces; with
     sequence parallelism 6 all-gathers and 4 reduce-scatters, 4 and 4 with ``keep_gathered``;
     2 more of each forward collective under full recomputation). Pipeline: the activation
@@ -281,14 +236,15 @@ def plan(
             whole for backward (more memory, 2 all-gathers fewer) instead of the shard.
         recompute: "none", "selective" or "full" activation recomputation.
         ddp_buckets: count DDP's bucket copy of the gradients (ZeRO 0 and 1).
+        schedule: the pipeline schedule, "1F1B" or "GPipe" (:data:`SCHEDULES`).
 
     Returns:
         The :class:`Plan` of the busiest GPU.
 
     Raises:
         ValueError: if the layout does not multiply to ``gpus``, a size is below 1, the
-            heads do not split over ``tp``, ``pp`` exceeds the layers, ``zero`` or
-            ``precision`` is unknown, or torch does not run the layout
+            heads do not split over ``tp``, ``pp`` exceeds the layers, ``zero``, ``precision``
+            or ``schedule`` is unknown, or torch does not run the pipeline
             (:func:`~mgtutor.plan.plan_rules.refusal` says why).
 
     Example:
@@ -310,7 +266,7 @@ def plan(
         raise ValueError(f"{model.heads} heads cannot be split over tp={tp}: tp must divide them")
     if pp > model.layers:
         raise ValueError(f"pp={pp} stages for {model.layers} layers: at most one stage a layer")
-    reason = refusal(dp=dp, pp=pp, zero=zero, micro_batches=micro_batches)
+    reason = refusal(pp=pp, micro_batches=micro_batches, schedule=schedule)
     if reason:
         raise ValueError(reason)
     b_param, b_grad, b_opt = BYTES_PER_PARAMETER[precision]
@@ -329,10 +285,13 @@ def plan(
             model, tp, sequence_parallel, precision, recompute, keep_gathered=keep_gathered
         )
         * layers
-        * min(micro_batches, pp),
+        * in_flight(pp, micro_batches, schedule),
         "logits": 4 * model.micro_batch * model.seq_len * model.vocab // tp if pp == 1 else 0,
     }
-    if zero >= 3:
+    in_pipeline = fsdp_in_pipeline(dp=dp, pp=pp, zero=zero)
+    if in_pipeline:
+        memory["transient"] = held * b_grad + (shard * dp * b_param if zero >= 3 else 0)
+    elif zero >= 3:
         unit = max(layer_shard, model.embedding // tp)
         memory["transient"] = 2 * math.ceil(unit / dp) * dp * b_param
     collectives = []
@@ -340,9 +299,11 @@ def plan(
         grads, params = held * b_grad, held * b_param
         if zero == 0:
             collectives.append(_ring("all_reduce", dp, grads, 1, "dp"))
-        elif zero in (1, 2):
-            scatters = micro_batches if zero == 2 else 1
-            collectives.append(_ring("reduce_scatter", dp, grads, scatters, "dp"))
+        elif zero == 1 or in_pipeline:
+            collectives.append(_ring("reduce_scatter", dp, grads, 1, "dp"))
+            collectives.append(_ring("all_gather", dp, params, 1, "dp"))
+        elif zero == 2:
+            collectives.append(_ring("reduce_scatter", dp, grads, micro_batches, "dp"))
             collectives.append(_ring("all_gather", dp, params, 1, "dp"))
         else:
             collectives.append(_ring("all_gather", dp, params, 2 * micro_batches, "dp"))
@@ -356,7 +317,18 @@ def plan(
         sends = (2 if pp > 2 else 1) * micro_batches
         piece = activation // tp if sequence_parallel else activation
         collectives.append(Collective("send", "pp", pp, piece, sends, sends * piece))
-    return Plan(dp, tp, pp, zero, precision, memory, tuple(collectives), gpu_memory, micro_batches)
+    return Plan(
+        dp,
+        tp,
+        pp,
+        zero,
+        precision,
+        memory,
+        tuple(collectives),
+        gpu_memory,
+        micro_batches,
+        schedule=schedule,
+    )
 
 
 def layouts(
@@ -391,8 +363,9 @@ def layouts(
     """
     found = []
     micro_batches = options.get("micro_batches", 1)
+    schedule = options.get("schedule", "1F1B")
     for tp, pp, stage in candidate_layouts(model, gpus, zero):
-        if refusal(dp=gpus // (tp * pp), pp=pp, zero=stage, micro_batches=micro_batches):
+        if refusal(pp=pp, micro_batches=micro_batches, schedule=schedule):
             continue  # listed by refused_layouts
         p = plan(model, gpus, gpu_memory, tp=tp, pp=pp, zero=stage, **options)
         if p.fits:

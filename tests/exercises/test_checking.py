@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from mgtutor import exercises
+from mgtutor.build import torch_release
 from mgtutor.errors import WorkerTimeout
 from mgtutor.exercises import checking as _checking
 from mgtutor.exercises import solutions
@@ -13,7 +14,7 @@ from tests.exercises import wrong_answers as w
 
 # The checkers serve the notebooks, which run on the newest torch only: not run on the floor.
 needs_notebook_torch = pytest.mark.skipif(
-    torch.__version__ < (2, 6),
+    torch_release() < (2, 6),
     reason=f"the exercises run with the notebooks' torch (>= 2.6), not {torch.__version__}",
 )
 

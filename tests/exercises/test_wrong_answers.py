@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mgtutor import exercises
+from mgtutor.build import torch_release
 from mgtutor.exercises import CheckResult, solutions
 from tests.exercises import wrong_answers as w
 
@@ -21,7 +22,7 @@ from tests.exercises import wrong_answers as w
 # (The snapshot checker's hangs once seen there were torch's destroy-time GIL deadlock, which
 # mgtutor.worker.keep_destroyed_groups now avoids.)
 pytestmark = pytest.mark.skipif(
-    torch.__version__ < (2, 6),
+    torch_release() < (2, 6),
     reason=f"the exercises run with the notebooks' torch (>= 2.6), not {torch.__version__}",
 )
 

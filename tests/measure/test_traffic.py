@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import mgtutor
+from mgtutor.build import torch_release
 from mgtutor.doctor.record import recorder_available
 from mgtutor.measure import traffic
 from mgtutor.measure.traffic import Call
@@ -40,6 +41,25 @@ def _gloo_entries() -> list[tuple[str, int]]:
     ]
 
 
+def _written_by_collectives() -> dict[str, int | None]:
+    """Bytes this rank wrote around an all-reduce and a reduce-scatter of one 32 KiB buffer."""
+    import torch.distributed as dist
+
+    out = {}
+    for name in ("all_reduce", "reduce_scatter"):
+        buffer = torch.ones(8192)  # float32, as the recorder's entries below are read
+        before = traffic.bytes_written()
+        if name == "all_reduce":
+            dist.all_reduce(buffer)
+        else:
+            # reduce_scatter_single from torch 2.14, whose reduce_scatter_tensor warns (a write)
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            scatter(torch.empty(4096), buffer)
+        after = traffic.bytes_written()
+        out[name] = None if before is None else after - before
+    return out
+
+
 def _count_in_ranks() -> dict:
     mgtutor.setup()
     recorder, _ = recorder_available()
@@ -48,8 +68,9 @@ def _count_in_ranks() -> dict:
         from torch.distributed.fsdp import fully_shard  # noqa: F401  public from torch 2.6
     except ImportError:
         out["missing"]["zero2"] = out["missing"]["zero3"] = "no torch.distributed.fsdp.fully_shard"
-    if torch.__version__ < (2, 6):  # older gloo pipelines could hang (pytorch#132644)
+    if torch_release() < (2, 6):  # older gloo pipelines could hang (pytorch#132644)
         out["missing"]["pp"] = "the pipeline case runs with torch >= 2.6 only"
+    out["written"] = _written_by_collectives()
     for strategy, micro in MICRO.items():
         if strategy in out["missing"]:
             continue
@@ -187,3 +208,27 @@ def test_flight_recorder_sees_the_same_collectives_and_gloos_reduce_scatter_all_
         for rank in ranks:
             collectives = [c for step in rank["pp"] for c in step if c.name not in ("send", "recv")]
             assert len(rank["pp", "gloo"]) == len(collectives)
+
+
+def test_bytes_written_sees_what_gloo_sends(ranks) -> None:
+    # A ring all-reduce of B bytes on 2 ranks sends B per rank; gloo's reduce-scatter, an
+    # all-reduce of the whole buffer, sends B too, not the ring's B/2; headers add a few hundred.
+    for rank in ranks:
+        if rank["written"]["all_reduce"] is None:
+            pytest.skip("no /proc/self/io here: bytes_written is None off Linux")
+        for name in ("all_reduce", "reduce_scatter"):
+            assert 32768 <= rank["written"][name] <= 32768 + 1024, (name, rank["written"])
+
+
+def test_bytes_written_is_none_without_proc(monkeypatch) -> None:
+    import builtins
+
+    real_open = builtins.open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", no_proc)
+    assert traffic.bytes_written() is None

@@ -285,3 +285,57 @@ def test_ring_over_a_subgroup_uses_global_ranks() -> None:
     for result in _ring_run()[1:]:
         assert torch.allclose(result["subgroup"]["out"], out[..., result["subgroup"]["rows"], :])
     assert "subgroup" not in _ring_run()[0]
+
+
+# --- torch's context_parallel on CPU ranks ---------------------------------------------------
+
+
+def _torch_context_parallel_on_cpu(causal: bool) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mgtutor.setup()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    q, k, v = _qkv(shape=(1, 2, 8, 4))[:3]
+    positions = torch.arange(8).unsqueeze(0)
+    # The math backend: the default CPU kernel has no DTensor rule before 2.13, and from 2.13
+    # DTensor derives one by tracing it, which takes about a minute here.
+    with sdpa_kernel(SDPBackend.MATH):
+        full = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        try:
+            with context_parallel(mesh, buffers=[q, k, v, positions], buffer_seq_dims=[2, 2, 2, 1]):
+                mine = positions[0].clone()
+                with context.SentBytes() as sent:
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        except (NotImplementedError, RuntimeError, TypeError):
+            return {"raised": True}
+    return {
+        "rows": mine.tolist(),
+        "equal": torch.allclose(out, full[..., mine, :]),
+        "sent": sent.records,
+        "block": out.nbytes,
+    }
+
+
+def _has_context_parallel() -> bool:
+    try:
+        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_context_parallel(), reason="this torch has no context_parallel")
+def test_torchs_context_parallel_on_cpu_gathers_k_and_v_for_unmasked_attention() -> None:
+    # Notebook 14's point: on CPU ranks torch's context_parallel does not run its ring (that is
+    # for CUDA kernels); without a mask DTensor gathers K and V whole (two all-gathers) and the
+    # result equals full attention; with the causal mask it fails.
+    unmasked = mgtutor.launch(_torch_context_parallel_on_cpu, False, world_size=2, backend="gloo")
+    for rank, r in enumerate(unmasked.results):
+        assert r["rows"] == context.split_zigzag(8, 2)[rank].tolist()  # head-tail, mask or not
+        assert r["equal"]
+        gather = ("_c10d_functional.all_gather_into_tensor", r["block"], 2 * r["block"])
+        assert r["sent"] == [gather, gather]
+    causal = mgtutor.launch(_torch_context_parallel_on_cpu, True, world_size=2, backend="gloo")
+    assert causal.results == [{"raised": True}] * 2

@@ -20,8 +20,8 @@ from mgtutor.parallel import expert
 DIM, HIDDEN, EXPERTS, K, TOKENS, WORLD = 8, 16, 4, 2, 12, 2  # TOKENS per rank
 
 
-def test_capacity_is_switchs_rounded_up() -> None:
-    assert expert.capacity(12, 4, 2, 1.0) == 6
+def test_capacity_counts_assignments_and_rounds_up() -> None:
+    assert expert.capacity(12, 4, 2, 1.0) == 6  # 12 tokens, 2 choices each, over 4 experts
     assert expert.capacity(12, 4, 2, 1.25) == 8  # 7.5 rounded up
     assert expert.capacity(10, 4, 1, 1.0) == 3
 

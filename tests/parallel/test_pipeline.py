@@ -73,6 +73,28 @@ def test_tick_tables_idle_the_formulas_share_and_hold_the_expected_micro_batches
             assert max_in_flight(orders[s]) == expected, (name, s)
 
 
+@pytest.mark.parametrize("n_stages", [2, 4])
+@pytest.mark.parametrize("n_micro", [1, 4, 8])
+def test_the_bubble_formula_needs_equal_stages_not_a_backward_as_long_as_a_forward(
+    n_stages: int, n_micro: int
+) -> None:
+    for orders in (
+        [gpipe_order(n_micro)] * n_stages,
+        [one_f_one_b_order(s, n_stages, n_micro) for s in range(n_stages)],
+    ):
+        slow_backward = tick_table(orders, lambda stage, kind: 1 if kind == "F" else 3)
+        for s, row in enumerate(slow_backward):
+            assert sum(a is None for a in row) / len(row) == pytest.approx(
+                bubble_fraction(n_stages, n_micro)
+            )
+            repeated = [a for a in orders[s] for _ in range(1 if a[0] == "F" else 3)]
+            assert [a for a in row if a] == repeated
+        slow_last = tick_table(orders, lambda stage, kind: 2 if stage == n_stages - 1 else 1)
+        idle = [sum(a is None for a in row) / len(row) for row in slow_last]
+        assert all(f > bubble_fraction(n_stages, n_micro) for f in idle[:-1])
+        assert idle[-1] < bubble_fraction(n_stages, n_micro)
+
+
 def test_tick_table_reports_orders_that_wait_for_each_other() -> None:
     # The last stage backward before its forward: nothing can ever run.
     with pytest.raises(ValueError, match="deadlock"):

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 import mgtutor
+from mgtutor.build import torch_release
 from mgtutor.measure import breakdown as breakdown_module
 from mgtutor.measure.activations import LiveTensors
 from mgtutor.parallel import tensor as tp
@@ -36,7 +37,7 @@ from mgtutor.parallel.tensor_comms import (
 from mgtutor.plan import memplan
 
 DIM, HEADS, HIDDEN, BATCH, SEQ = 16, 4, 64, 2, 8
-COMM_DEBUG_MODE_WORKS = torch.__version__ >= (2, 14)  # IndexError in _fw_set_module_hook before
+COMM_DEBUG_MODE_WORKS = torch_release() >= (2, 14)  # IndexError in _fw_set_module_hook before
 SEQ_BYTES = BATCH * SEQ * DIM * 8  # one float64 activation of the whole sequence
 
 
@@ -184,6 +185,22 @@ def _torch_way(block, x, ref, rank, world) -> dict[str, Any] | str:
             "placements": {
                 n: _placements(p) for n, p in model.named_parameters() if hasattr(p, "placements")
             },
+        }
+    # After the "sp" backward the norms' gradients are Partial: each step reads them again.
+    out["sp"]["partial"] = [
+        n for n, p in model.named_parameters() if p.grad.placements[0].is_partial()
+    ]
+    for name, make in (("sgd", torch.optim.SGD), ("adam", torch.optim.Adam)):
+        opt = make(model.parameters(), lr=0.01)
+        # Each counter alone: under CommDebugMode, which lets DTensor run first, an outer
+        # counter would see the collectives whatever it does itself.
+        with CollectiveCounter() as counter:
+            opt.step()
+        with _comm_debug_mode() as comm:
+            opt.step()
+        out["sp"][name] = {
+            "counter": by_kind(counter.get_comm_counts()),
+            "CommDebugMode": comm and by_kind(comm.get_comm_counts()),
         }
     # memplan's estimate against what a rank holds after an Adam step
     model = copy.deepcopy(block).float()
@@ -427,6 +444,19 @@ def test_collective_counter_counts_what_comm_debug_mode_counts(measured, mode):
     for result in measured:
         run = result["torch"][mode]
         assert run["CommDebugMode"] == {"forward": run["forward"], "total": run["total"]}
+
+
+def test_collective_counter_sees_the_sums_an_optimizer_step_runs_on_partial_gradients(measured):
+    _needs_dtensor(measured)
+    for result in measured:
+        sp = result["torch"]["sp"]
+        assert sp["partial"] == ["norm1.weight", "norm1.bias", "norm2.weight", "norm2.bias"]
+        # Summed at every read: SGD's add_ once, Adam's lerp_ and addcmul_(grad, grad) thrice.
+        assert sp["sgd"]["counter"] == {"all_reduce": 4}
+        assert sp["adam"]["counter"] == {"all_reduce": 12}
+        if COMM_DEBUG_MODE_WORKS:
+            assert sp["sgd"]["CommDebugMode"] == sp["sgd"]["counter"]
+            assert sp["adam"]["CommDebugMode"] == sp["adam"]["counter"]
 
 
 def by_kind_of(calls):

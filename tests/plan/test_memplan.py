@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import mgtutor
+from mgtutor.build import torch_release
 from mgtutor.measure import breakdown as breakdown_module
 from mgtutor.measure import plots
 from mgtutor.plan import memplan
@@ -21,7 +22,7 @@ CATEGORIES = ("parameters", "gradients", "optimizer_state", "communication")
 # notebooks' torch: not run on the floor. (A ZeRO rank once stuck exiting there was torch's
 # destroy-time GIL deadlock, which mgtutor.worker.keep_destroyed_groups now avoids.)
 pytestmark = pytest.mark.skipif(
-    torch.__version__ < (2, 6),
+    torch_release() < (2, 6),
     reason=f"memplan models the notebooks' torch (>= 2.6), not {torch.__version__}",
 )
 

@@ -196,11 +196,11 @@ def test_megatrons_float32_gradients_and_the_logits():
 
 def _tp_collectives_in_ranks() -> dict:
     """ParallelGPTLayer on each rank: every c10d call, by layout and recomputation; its bytes
-    kept with the gathered inputs; and whether Schedule1F1B takes fewer micro-batches than
-    stages."""
+    kept with the gathered inputs; and whether Schedule1F1B and ScheduleGPipe take fewer
+    micro-batches than stages."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from mgtutor.measure import traffic
     from mgtutor.measure.activations import kept_for_backward
@@ -233,14 +233,15 @@ def _tp_collectives_in_ranks() -> dict:
         out["1f1b"] = None  # torch 2.4: a stage needs example inputs; the refusal is read on 2.5+
         return out
     stage = PipelineStage(torch.nn.Linear(8, 8), rank, 2, torch.device("cpu"))
-    refused = {}
-    for micro_batches in (1, 2):
-        try:
-            Schedule1F1B(stage, n_microbatches=micro_batches)
-            refused[micro_batches] = None
-        except ValueError:
-            refused[micro_batches] = "ValueError"
-    out["1f1b"] = refused
+    for name, schedule in (("1f1b", Schedule1F1B), ("gpipe", ScheduleGPipe)):
+        refused = {}
+        for micro_batches in (1, 2):
+            try:
+                schedule(stage, n_microbatches=micro_batches)
+                refused[micro_batches] = None
+            except ValueError:
+                refused[micro_batches] = "ValueError"
+        out[name] = refused
     return out
 
 
@@ -272,18 +273,41 @@ def test_kept_gathered_inputs_equal_the_activation_terms(tp_in_ranks):
     assert kept["qkv input"] == 2 * sp["qkv input"] == 3 * 4 * 16 * 4
 
 
-def test_planner_refuses_what_torch_refuses(tp_in_ranks):
+def test_planner_refuses_only_what_torch_refuses(tp_in_ranks):
     shape = Transformer(layers=4, hidden=8, heads=2, seq_len=4)
     with pytest.raises(ValueError, match="Schedule1F1B"):
         plan(shape, 2, GB, pp=2, micro_batches=1)
     assert plan(shape, 2, GB, pp=2, micro_batches=2).bubble == 1 / 3
-    with pytest.raises(ValueError, match="unsharded"):
-        plan(shape, 4, GB, pp=2, zero=2, micro_batches=2)
-    # Schedule1F1B with 2 stages: ValueError with 1 micro-batch, none with 2.
+    assert plan(shape, 2, GB, pp=2, micro_batches=1, schedule="GPipe").bubble == 1 / 2
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        plan(shape, 2, GB, pp=2, micro_batches=2, schedule="1f1b")
+    assert dict(planner.refused_layouts(shape, 4, micro_batches=2)).keys() == {"dp=1 x tp=1 x pp=4"}
+    assert not planner.refused_layouts(shape, 4, micro_batches=2, schedule="GPipe")
+    # Schedule1F1B with 2 stages: ValueError with 1 micro-batch, none with 2; GPipe takes both.
     if any(rank["1f1b"] is None for rank in tp_in_ranks):
         pytest.skip("torch 2.4's PipelineStage needs example inputs; Schedule1F1B not run")
     for rank in tp_in_ranks:
         assert rank["1f1b"] == {1: "ValueError", 2: None}
+        assert rank["gpipe"] == {1: None, 2: None}
+
+
+def test_fsdp_under_a_pipeline_holds_the_whole_stage_unsharded():
+    # torch's stage keeps FSDP's parameters and gradients unsharded from micro-batch to
+    # micro-batch: the whole stage, on top of the shards; gathered and reduced once per step.
+    shape = Transformer(layers=4, hidden=8, heads=2, seq_len=4, vocab=10)
+    b_param, b_grad, _ = planner.BYTES_PER_PARAMETER["mixed"]
+    alone = plan(shape, 2, GB, pp=2, micro_batches=4)  # the stage's parameters, whole
+    held = alone.memory["parameters"] // b_param
+    for zero in (2, 3):
+        p = plan(shape, 4, GB, dp=2, pp=2, zero=zero, micro_batches=4)
+        whole_params = -(-held // 2) * 2 * b_param if zero == 3 else 0
+        assert p.memory["transient"] == held * b_grad + whole_params
+        sent = {c.name: (c.calls, c.buffer_bytes) for c in p.collectives if c.group == "dp"}
+        assert sent == {"all_gather": (1, held * b_param), "reduce_scatter": (1, held * b_grad)}
+    # Without a pipeline, ZeRO-3 holds one unit unsharded and gathers per micro-batch.
+    flat = plan(shape, 2, GB, zero=3, micro_batches=4)
+    assert flat.memory["transient"] < held * b_grad
+    assert {c.name: c.calls for c in flat.collectives} == {"all_gather": 8, "reduce_scatter": 4}
 
 
 def test_activations_follow_korthikanti():
@@ -300,6 +324,9 @@ def test_activations_follow_korthikanti():
     # 1F1B: the first of 3 stages keeps its 2 layers for 3 micro-batches in flight.
     got = plan(shape, 3, GB, pp=3, micro_batches=8).memory["activations"]
     assert got == one * 2 * 3
+    # GPipe: every forward before any backward, all 8 micro-batches in flight.
+    got = plan(shape, 3, GB, pp=3, micro_batches=8, schedule="GPipe").memory["activations"]
+    assert got == one * 2 * 8
     assert "Korthikanti" in plan(shape, 1, GB).activations_source
 
 
@@ -310,11 +337,13 @@ def test_layouts_rank_by_the_rule_not_by_bytes():
     # By bytes alone pp=8 (bubble 7/15) would come first: it sends least of all.
     assert min(found, key=lambda p: p.sent_bytes).layout == "dp=1 x tp=1 x pp=8"
     assert found[0].bubble <= planner.MAX_BUBBLE < found[-1].bubble
-    refused = dict(planner.refused_layouts(shape, 8, micro_batches=8))
-    assert refused and not names & set(refused)
-    assert "dp=2 (ZeRO-3) x tp=1 x pp=4" in refused and "dp=2 x tp=1 x pp=4" in names
+    assert not planner.refused_layouts(shape, 8, micro_batches=8)
+    assert {"dp=2 (ZeRO-3) x tp=1 x pp=4", "dp=2 x tp=1 x pp=4"} <= names  # FSDP runs with PP
     few = {p.layout for p in layouts(shape, 8, 80 * GB, recompute="selective", micro_batches=4)}
-    assert "dp=1 x tp=1 x pp=8" not in few  # 4 micro-batches for 8 stages: torch refuses
+    refused = dict(planner.refused_layouts(shape, 8, micro_batches=4))
+    assert "dp=1 x tp=1 x pp=8" in refused and not few & set(refused)  # 1F1B: 4 for 8 stages
+    gpipe = layouts(shape, 8, 80 * GB, recompute="selective", micro_batches=4, schedule="GPipe")
+    assert "dp=1 x tp=1 x pp=8" in {p.layout for p in gpipe}
     assert not layouts(shape, 1, 80 * GB)
     assert "ZeRO-3" in plan(shape, 8, 80 * GB, zero=3).layout
 
@@ -333,3 +362,21 @@ def test_clear_errors():
         plan(shape, 2, GB, precision="fp8")
     with pytest.raises(ValueError, match="recompute must be one of"):
         plan(shape, 2, GB, recompute="some")
+    with pytest.raises(ValueError, match="style must be"):
+        Transformer(layers=2, hidden=8, heads=2, seq_len=4, style="bert")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="needs params"):
+        Transformer(layers=2, hidden=8, heads=2, seq_len=4, style="llama")
+
+
+def test_tp_keeps_the_norms_and_biases_of_each_style_whole():
+    # GPT's two LayerNorms (weight, bias) and two row-parallel biases; Llama's two RMSNorm
+    # weights and no biases (notebook 17 counts both on ranks under parallelize_module).
+    gpt = Transformer(layers=2, hidden=8, heads=2, seq_len=4)
+    llama = Transformer(layers=2, hidden=8, heads=2, seq_len=4, params=2000, style="llama")
+    assert (gpt.replicated_per_layer, llama.replicated_per_layer) == (48, 16)
+    for model in (gpt, llama):
+        layer = (
+            plan(model, 2, GB, tp=2).memory["parameters"]
+            - plan(model, 1, GB).memory["parameters"] // 2
+        )  # what TP=2 keeps beyond half: the whole parameters' other half, 2 bytes each
+        assert layer == 2 * model.layers * model.replicated_per_layer // 2

@@ -1,0 +1,85 @@
+"""Dropout's random numbers under tensor and sequence parallelism: Megatron-LM's two RNG states.
+
+Ranks of a tensor-parallel group that hold the same activation (a replicated region: after g's
+all-reduce) must drop the same elements, or their copies drift apart; ranks that hold different
+data (their own heads, or under sequence parallelism their own tokens) must draw independent
+masks, or every rank drops the same positions of its part. Megatron-LM
+(``megatron/core/tensor_parallel/random.py``, ``model_parallel_cuda_manual_seed``) keeps two
+states for this:
+
+* the default generator, seeded ``seed`` alike on every rank of the group, for the replicated
+  regions;
+* a tracked state seeded ``seed + 2718 + tp_rank``, entered with ``fork()`` for the attention's
+  dropout (its heads are split) and, under sequence parallelism, for the whole layer.
+
+:class:`RNGStatesTracker` is that tracked state for one device; :func:`model_parallel_seed`
+seeds both. :class:`mgtutor.parallel.gpt_layer.GPTLayer` takes a tracker as ``rng``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["TENSOR_PARALLEL_OFFSET", "RNGStatesTracker", "model_parallel_seed"]
+
+#: Megatron-LM's offset of the tensor-parallel seed from the default one ("2718 is just for fun").
+TENSOR_PARALLEL_OFFSET = 2718
+
+
+class RNGStatesTracker:
+    """A random-number state of its own, swapped in for the default one inside :meth:`fork`.
+
+    Args:
+        seed: the state's seed (``seed + 2718 + tp_rank`` in Megatron-LM).
+        device: whose generator to fork: "cpu" or a CUDA device.
+
+    Example:
+        >>> tracker = RNGStatesTracker(2718 + rank)
+        >>> with tracker.fork():
+        ...     probs = torch.nn.functional.dropout(probs, 0.1)  # this rank's own mask
+    """
+
+    def __init__(self, seed: int, device: str | torch.device = "cpu") -> None:
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or a CUDA device, got {str(self.device)!r}")
+        generator = torch.Generator(self.device)
+        generator.manual_seed(seed)
+        self.state = generator.get_state()
+
+    def _get(self) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.get_rng_state()
+        return torch.cuda.get_rng_state(self.device)
+
+    def _set(self, state: torch.Tensor) -> None:
+        if self.device.type == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, self.device)
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        """Draw from this state inside the block; the default state is as it was after it."""
+        default = self._get()
+        self._set(self.state)
+        try:
+            yield
+        finally:
+            self.state = self._get()
+            self._set(default)
+
+
+def model_parallel_seed(
+    seed: int, tp_rank: int, device: str | torch.device = "cpu"
+) -> RNGStatesTracker:
+    """Seed the default generator with ``seed`` and return the tracker of ``seed + 2718 + tp_rank``.
+
+    Call it on every rank of a tensor-parallel group with the same ``seed`` (Megatron-LM's
+    ``model_parallel_cuda_manual_seed``): replicated regions then draw alike, forked ones not.
+    """
+    torch.manual_seed(seed)
+    return RNGStatesTracker(seed + TENSOR_PARALLEL_OFFSET + tp_rank, device)
