@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from mgtutor.plan.compute_time import Device, layer_times, logits_times
-from mgtutor.plan.planner import Collective, Transformer, plan
+from mgtutor.plan.planner import Transformer, plan, refused_layouts
 from mgtutor.plan.step_time import (
     H100_SXM_NODE,
     MEGATRON_2021,
@@ -134,16 +134,15 @@ def test_zero_1_gathers_parameters_after_the_step_and_zero_3_hides_gathers():
 
 
 def test_fsdp_under_a_pipeline_gathers_once_a_step():
-    # As torch's pipeline stage and torchtitan run it: the stage stays unsharded through the
-    # step, one all-gather before the first forward and one reduce-scatter in the last backward
-    # (the planner that plans FSDP under PP gives these collectives; a Plan is built here).
-    base = plan(SMALL, 4, GB, dp=2, pp=2, zero=1, precision="fp32", micro_batches=4)
+    # As torch's pipeline stage and torchtitan run it (plan_rules.fsdp_in_pipeline): the stage
+    # stays unsharded through the step, one all-gather before the first forward and one
+    # reduce-scatter in the last backward.
+    fsdp = plan(SMALL, 4, GB, dp=2, pp=2, zero=3, precision="fp32", micro_batches=4)
     held = 2 * (SMALL.per_layer) * 4  # 2 layers of float32 parameters on the first stage
-    dp = (
-        Collective("reduce_scatter", "dp", 2, held, 1, held // 2),
-        Collective("all_gather", "dp", 2, held, 1, held // 2),
-    )
-    fsdp = replace(base, zero=3, collectives=dp + base.collectives[2:])
+    dp = {c.name: c for c in fsdp.collectives if c.group == "dp"}
+    assert {n: (c.calls, c.sent_bytes) for n, c in dp.items()} == {
+        "reduce_scatter": (1, held // 2), "all_gather": (1, held // 2)
+    }
     t = step_time(fsdp, SMALL, ROUND, software=NO_OPT)
     once = (held // 2) / 100e9  # dp=2 stays in a node (ranks tp, then dp, then pp)
     # The first of 2 layers' gather waits, and the reduce-scatter (one bucket) after the last
@@ -194,6 +193,16 @@ def test_ranked_at_a_fixed_global_batch():
     speeds = [t.tokens_per_gpu_per_s for _, t in timed]
     assert speeds == sorted(speeds, reverse=True)
     assert all(p.micro_batches * p.dp == 64 for p, _ in timed)
+    # 4 sequences a step: pp=8 runs 4 micro-batches, which torch's Schedule1F1B refuses (and
+    # pp=4 at dp=2 runs 2); ranked keeps what the planner plans, GPipe's included.
+    few = {p.layout: p for p, _ in ranked(gpt7b, 8, H100_SXM_NODE, global_batch=4,
+                                          recompute="selective")}  # fmt: skip
+    refused = {name for name, _ in refused_layouts(gpt7b, 8, micro_batches=4)}
+    assert refused and not refused & set(few)
+    assert few and all(p.micro_batches >= p.pp for p in few.values())
+    gpipe = {p.layout for p, _ in ranked(gpt7b, 8, H100_SXM_NODE, global_batch=4,
+                                         recompute="selective", schedule="GPipe")}  # fmt: skip
+    assert refused <= gpipe
     # Interleaving holds 1 + (p-1)/(p·m) more activations on the first stage.
     inter = {p.layout: p for p, _ in ranked(gpt7b, 8, H100_SXM_NODE, global_batch=64,
                                             recompute="selective", chunks=2)}  # fmt: skip
