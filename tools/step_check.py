@@ -22,6 +22,7 @@ def main() -> None:
     rounds = int(args.pop(0)) if args and args[0].isdigit() else 2
     names = tuple(n for n in step_check.runnable() if not args or any(a in n for a in args))
     asserted, why = step_check.tolerance()  # before the ranks add their own load
+    emulated, why_emulated = step_check.tolerance("emulated")
     with mgtutor.Pool(2, backend="gloo") as pool:
         start = time.perf_counter()
         hardware, extra = step_check.calibrate(pool)
@@ -34,7 +35,8 @@ def main() -> None:
             f"{m.median * 1e3:5.0f} ms ({min(m.seconds) * 1e3:.0f}-{max(m.seconds) * 1e3:.0f}), "
             f"error {m.error:+.0%} (bound {m.bound:.0%}) {deleted}"
         )
-    print(f"real configurations {'asserted' if asserted else 'not asserted'}: {why}")
+    print(f"two real ranks {'asserted' if asserted else 'not asserted'}: {why}")
+    print(f"emulated ranks {'asserted' if emulated else 'not asserted'}: {why_emulated}")
 
 
 if __name__ == "__main__":

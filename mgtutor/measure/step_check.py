@@ -15,7 +15,9 @@ without it, inside with it. Two kinds of configuration:
 * emulated: a GPU rank emulated (:mod:`mgtutor.measure.emulated`): device time and a link slept
   at declared rates, while torch's DDP, autograd and pipeline schedule order the work. They
   check what overlaps (the last micro-batch, the last bucket, TP's backward) and the pipeline's
-  bubble and sends, and a busy machine barely moves them.
+  bubble and sends. Between sleeps the ranks still run Python, autograd and the wire thread's
+  hand-offs on a core: two busy processes per core barely move them, eight stretched TP's
+  median step by half (:data:`TOO_LOADED`).
 
 A step is forward and backward (and DDP's reduction), no optimizer step.
 """
@@ -61,11 +63,15 @@ __all__ = [
 EMULATED_MODEL = Transformer(layers=4, hidden=1024, heads=16, seq_len=512, micro_batch=1)
 #: How far a prediction may be from the measured median: real configurations (one rank in CPU
 #: seconds; two ranks' wall-clock at the share of a core re-timed before each step), emulated
-#: ones (sleeps, at any load).
+#: ones (sleeps).
 BOUND = {"real": 0.25, "emulated": 0.15}
-#: Above this load per core two real ranks time other work as much as theirs (their steps,
-#: wall-clock, are printed, not asserted): at one process per core a rank waits for a core.
-TOO_LOADED = 1.0
+#: Above this load per core (read before the ranks start) a kind's steps are printed, not
+#: asserted. Two real ranks (wall-clock) time other work as much as theirs once a rank waits for
+#: a core. Emulated ranks sleep, but wake to run Python and autograd between sleeps: with two
+#: other busy processes per core they came within 2% (commit 5eb04aa); at eight per core the
+#: emulated TP step's median was 49% over its prediction (its fastest step within 2%).
+#: One real rank is timed in CPU seconds, at any load.
+TOO_LOADED = {"real": 1.0, "emulated": 2.0}
 
 
 @dataclass(frozen=True)
@@ -174,11 +180,11 @@ def without(config: Config, hardware: Hardware, term: str) -> float:
     raise ValueError(f"no term {term!r}: a part of {sorted(t.parts)} or an overlap rule")
 
 
-def tolerance() -> tuple[bool, str]:
-    """Whether the real configurations of two ranks (wall-clock) are asserted here: not while
-    other work wants more than the cores (:data:`TOO_LOADED`). One rank's (CPU seconds) and the
-    emulated ones hold at any load. Call it before the ranks start (the load average counts them
-    once they run)."""
+def tolerance(kind: str = "real") -> tuple[bool, str]:
+    """Whether the configurations of ``kind`` ("real": two real ranks, wall-clock; "emulated")
+    are asserted here: not while the load per core is over :data:`TOO_LOADED` for that kind.
+    One real rank's (CPU seconds) hold at any load. Call it before the ranks start (the load
+    average counts them once they run)."""
     import os
 
     from mgtutor.hardware import usable_cores
@@ -186,8 +192,9 @@ def tolerance() -> tuple[bool, str]:
     cores = usable_cores()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     where = f"load {load:.1f} on {cores} cores"
-    if load > TOO_LOADED * cores:
-        return False, f"too loaded to time two real ranks ({where}): printed, not asserted"
+    if load > TOO_LOADED[kind] * cores:
+        what = "two real ranks" if kind == "real" else "emulated ranks"
+        return False, f"too loaded to time {what} ({where}): printed, not asserted"
     return True, where
 
 
@@ -322,8 +329,6 @@ def check(
     measured = []
     for name in configs:
         c, now = CONFIGS[name], hw[name]
-        if c.emulated and got[name].get("wire"):
-            now = emulated_hardware(c, statistics.fmean(got[name]["wire"]))
         seconds = got[name]["seconds"]
         if c.emulated and got[name].get("wire"):
             now = emulated_hardware(c, statistics.fmean(got[name]["wire"]))

@@ -141,7 +141,8 @@ def test_fsdp_under_a_pipeline_gathers_once_a_step():
     held = 2 * (SMALL.per_layer) * 4  # 2 layers of float32 parameters on the first stage
     dp = {c.name: c for c in fsdp.collectives if c.group == "dp"}
     assert {n: (c.calls, c.sent_bytes) for n, c in dp.items()} == {
-        "reduce_scatter": (1, held // 2), "all_gather": (1, held // 2)
+        "reduce_scatter": (1, held // 2),
+        "all_gather": (1, held // 2),
     }
     t = step_time(fsdp, SMALL, ROUND, software=NO_OPT)
     once = (held // 2) / 100e9  # dp=2 stays in a node (ranks tp, then dp, then pp)
