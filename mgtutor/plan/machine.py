@@ -97,6 +97,14 @@ class Hardware:
     copy: float | None = None
     source: str = ""
 
+    @property
+    def flops(self) -> dict[str, float]:
+        """FLOP/s by precision of the device's fastest matrix product (``device.ceiling``), the
+        rate the model runs a large product at: compute only (smaller products run slower,
+        :func:`~mgtutor.plan.compute_time.gemm_seconds`). Not an end-to-end rate: Narayanan et
+        al.'s 52% of peak counts communication, the bubble and the rest of a step too."""
+        return dict(self.device.ceiling)
+
     def group_link(self, span: int, per_node: int) -> Link:
         """The link of a group spanning ``span`` consecutive ranks with ``per_node`` members on
         each node: NVLink inside a node, else min(NVLink, per_node NICs)."""

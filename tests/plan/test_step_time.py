@@ -247,3 +247,16 @@ def test_ddp_gradients_are_bucket_views_only_when_asked():
         mgtutor.launch(_ddp_grads_share_a_bucket, True, world_size=2, backend="gloo").results
         == [True] * 2
     )
+
+
+def test_hardware_flops_is_the_rate_of_a_product_that_fills_every_wave():
+    # Hardware.flops (read by notebooks 13 and 17): compute only, the rate of a product whose
+    # 256 x 128 tiles fill the 132 SMs exactly; one row more takes a second wave (twice the time).
+    from mgtutor.plan.compute_time import gemm_seconds
+
+    rate, device = H100_SXM_NODE.flops["mixed"], H100_SXM_NODE.device
+    rows, inner, cols = 256 * 12, 16384, 128 * 11
+    one_wave = 2 * rows * inner * cols / rate
+    assert gemm_seconds(device, "mixed", rows, inner, cols) == pytest.approx(one_wave)
+    assert gemm_seconds(device, "mixed", rows + 1, inner, cols) > 1.9 * one_wave
+    assert rate < device.peak["mixed"]
