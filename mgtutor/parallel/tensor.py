@@ -250,8 +250,8 @@ def all_reduce_replicated_grads(modules: Any) -> None:
     """Sum, over the ranks, the gradients of the parameters each rank keeps whole.
 
     The ranks are the tensor-parallel group (here the default group): with data parallelism as
-    well, this sum is over another group than the data-parallel all-reduce and cannot be folded
-    into it (Megatron-LM's ``_allreduce_layernorm_grads``).
+    well, this sum is over another group than the data-parallel all-reduce and is not folded into
+    it (Megatron-LM's ``_allreduce_non_tensor_model_parallel_grads``, finalize_model_grads.py).
 
     Needed after backward under sequence parallelism only: each rank's norms and biases then saw
     its share of the tokens, so each holds a partial gradient. One all-reduce of all of them,
