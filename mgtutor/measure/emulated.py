@@ -321,16 +321,22 @@ def _since(stamp: torch.Tensor) -> float:
     return ms / 1000
 
 
+#: Written beside each stamp: a row without it carries no time. torch 2.14's pipeline stages
+#: infer shapes by running a stage on uninitialized tensors (stage.py, ``_to_tensor``: an empty
+#: tensor from the metadata), whose "stamp" is whatever memory held.
+STAMPED = 4321.0
+
+
 def _stamp(x: torch.Tensor) -> torch.Tensor:
     row = torch.zeros_like(x[:, :1])
     ms, frac = _encode(time.time())
-    row.view(-1)[0], row.view(-1)[1] = ms, frac
+    row.view(-1)[0], row.view(-1)[1], row.view(-1)[2] = ms, frac, STAMPED
     return torch.cat([x, row], dim=1)
 
 
 def _arrive(x: torch.Tensor, seconds: float) -> torch.Tensor:
     """Sleep until ``seconds`` after the stamp in ``x``'s last row, then drop the row."""
-    if not x.is_meta:
+    if not x.is_meta and float(x[:, -1].reshape(-1)[2]) == STAMPED:
         wait = seconds - _since(x[:, -1].reshape(-1))
         arrival = time.perf_counter() + wait
         _sleep(wait)
