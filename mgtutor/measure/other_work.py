@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["OtherWork", "busy_seconds"]
+__all__ = ["OtherWork", "busy_seconds", "waited_seconds"]
 
 
 def _cpus() -> list[int] | None:
@@ -51,6 +51,28 @@ def busy_seconds() -> float:
             busy -= getattr(t, guest, 0.0)
         total += busy
     return total
+
+
+def waited_seconds() -> float:
+    """Seconds this process's threads have spent ready to run but waiting for a CPU, all
+    threads together (Linux's ``/proc/self/task/*/schedstat``, its second field: run-queue wait,
+    in ns); NaN where the kernel does not say (macOS, Windows, a kernel without schedstats).
+
+    Unlike other work's CPU, which counts the cores others used, this counts what the process
+    lost to them: a thread of a rank that sleeps most of a step waits only when it wakes to a
+    busy core. It also counts waits behind the process's own threads and its sibling ranks."""
+    import glob
+    import math
+
+    total, found = 0.0, False
+    for path in glob.glob("/proc/self/task/*/schedstat"):
+        try:
+            with open(path) as f:
+                total += int(f.read().split()[1]) / 1e9
+            found = True
+        except (OSError, IndexError, ValueError):  # the thread ended meanwhile
+            continue
+    return total if found else math.nan
 
 
 def _own_seconds() -> float:

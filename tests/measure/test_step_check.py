@@ -213,6 +213,52 @@ def test_a_window_that_other_work_shares_reads_crowded():
     assert median >= 0.33
 
 
+def test_a_thread_kept_off_its_core_reads_as_waiting():
+    # Two spinning processes pinned to this process's one CPU: it gets about a third of that
+    # CPU, so its thread waits for it about twice as long as it runs. Reading schedstat's first
+    # field (time on a CPU) instead of its second fails this.
+    import math
+    import os
+    import subprocess
+    import sys
+
+    from mgtutor.measure import other_work
+
+    if not hasattr(os, "sched_setaffinity") or math.isnan(other_work.waited_seconds()):
+        pytest.skip("no run-queue waits on this platform (not Linux)")
+    cpu = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    spin = "import time\nend = time.time() + 30\nwhile time.time() < end: pass\n"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    try:
+        for p in spinners:
+            os.sched_setaffinity(p.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})
+        time.sleep(0.3)
+        waited, ran = other_work.waited_seconds(), time.thread_time()
+        end = ran + 0.3
+        while time.thread_time() < end:
+            pass
+        waited, ran = other_work.waited_seconds() - waited, time.thread_time() - ran
+    finally:
+        os.sched_setaffinity(0, before)
+        for p in spinners:
+            p.kill()
+            p.wait()
+    assert waited >= 1.3 * ran
+
+
+def test_an_emulated_window_is_crowded_by_the_ranks_waits_not_by_others_cpu():
+    # Two ranks sleeping most of a 1 s window while other work filled both cores (busy 2 s, own
+    # 0.2 s: 1.8 cores of other work) but kept them off a core only 0.03 s: an emulated window
+    # reads 0.03 (asserted), a real one 1.8; where the kernel does not say (NaN), the real rule.
+    rank = {"busy": [2.0], "own": [0.1], "wall": [1.0], "waited": [0.015]}
+    assert step_check.window_crowding([rank, rank], 0, emulated=True) == pytest.approx(0.03)
+    assert step_check.window_crowding([rank, rank], 0) == pytest.approx(1.8)
+    unknown = {**rank, "waited": [float("nan")]}
+    assert step_check.window_crowding([unknown, unknown], 0, emulated=True) == pytest.approx(1.8)
+
+
 def test_the_check_refuses_ranks_that_are_not_two_gloo_ranks():
     class Ranks:
         def __init__(self, world_size: int, backend: str | None) -> None:
