@@ -12,6 +12,11 @@ process, its live descendants (the ranks a :class:`mgtutor.Pool` started) and th
 reaped. A rank can do the same around one step of its own (:mod:`~mgtutor.measure.step_check`
 does, with :func:`time.process_time` as the rank's own).
 
+:func:`waited_seconds` counts the other side: how long this process's threads were ready to run
+but waited for a CPU (Linux). For ranks that sleep most of a step (the step check's emulated GPU
+ranks) that is what crowding takes from them; other work on the cores they leave idle takes
+nothing.
+
 What it cannot see: a CPU quota without an affinity mask (Docker's ``--cpus``; the CPUs are all
 shown, and work on the others counts as other work), and, on macOS, reaped children's time
 (psutil reports none there; it then counts as other work). Both err towards calling a machine

@@ -274,9 +274,10 @@ def test_the_check_refuses_ranks_that_are_not_two_gloo_ranks():
 def test_cpu_ranks_predicted_within_the_bound_and_not_without_each_term():
     # Calibrate, predict, measure every configuration of step_check.CONFIGS, interleaved. Each
     # is held to its bound (real 25%, emulated 15%), and each of its deleted terms must fall
-    # outside it, only where other work used at most step_check.CROWDED of a core in its median
-    # window (counted by the ranks, not read from a load average before them) and, for a real
-    # one, during the calibration; the test skips where no configuration of 2 ranks was held.
+    # outside it, only where its median window was uncrowded (step_check.CROWDED: other work's
+    # cores beside real ranks, the share of the time emulated ranks waited for a core; counted by
+    # the ranks, not read from a load average before them) and, for a real one, the calibration
+    # too; the test skips where no configuration of 2 ranks was held.
     # On torch 2.4 the pipelines are left out (runnable()).
     configs = step_check.runnable()
     with mgtutor.Pool(2, backend="gloo") as pool:
