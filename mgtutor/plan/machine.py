@@ -46,7 +46,8 @@ class Link:
 
     ``p2p_bandwidth``/``p2p_latency``: a point-to-point send's (the bus figures if None).
     ``all_reduce_bandwidth``: an all-reduce's busbw over ``all_reduce_group`` GPUs or more, where
-    it differs (NVLink SHARP on H100 nodes).
+    it differs (NVLink SHARP on H100 nodes), for messages larger than ``all_reduce_from`` bytes
+    only: below it the peak is not reached and the bus figure applies.
     """
 
     bandwidth: float
@@ -55,12 +56,15 @@ class Link:
     p2p_latency: float | None = None
     all_reduce_bandwidth: float | None = None
     all_reduce_group: int = 8
+    all_reduce_from: float = 0.0
 
     def collective(self, sent_bytes: float, calls: float, name: str = "", size: int = 0) -> float:
         """Seconds for ``calls`` collectives sending ``sent_bytes`` in all (one GPU's share)."""
         bw = self.bandwidth
         if name == "all_reduce" and self.all_reduce_bandwidth and size >= self.all_reduce_group:
-            bw = self.all_reduce_bandwidth
+            message = sent_bytes / max(calls, 1) / (2 * (size - 1) / size)  # one call's buffer
+            if message > self.all_reduce_from:
+                bw = self.all_reduce_bandwidth
         return calls * self.latency + sent_bytes / bw
 
     def send(self, nbytes: float, calls: float = 1) -> float:
@@ -239,14 +243,15 @@ _H100 = Device(
 H100_SXM_NODE = Hardware(
     name="8 x H100 SXM 80GB, NVLink 4, 400 Gb/s InfiniBand per GPU",
     device=_H100,
-    intra=Link(370e9, all_reduce_bandwidth=480e9),
+    intra=Link(370e9, all_reduce_bandwidth=480e9, all_reduce_from=2**28),
     inter=Link(50e9),
     gpus_per_node=8,
     memory=80 * 10**9,
     copy=_H100.memory_bandwidth / 2,
     source="NVLink: 450 GB/s line rate, 370 GB/s busbw with NCCL's protocol (ring, and every "
     "collective but all-reduce); all-reduce over 8 GPUs ~480 GB/s busbw with NVLink SHARP, "
-    "NCCL's default (NCCL's maintainer, NVIDIA/nccl-tests#212); 400 Gb/s = 50 GB/s per GPU "
+    "NCCL's default, as a peak, on messages larger than 256 MiB ('256M is too small to reach "
+    "peak bandwidth', NCCL's maintainer, NVIDIA/nccl-tests#212); 400 Gb/s = 50 GB/s per GPU "
     "between nodes, line rate",
 )
 

@@ -176,17 +176,12 @@ TORCHTITAN_RUNS: tuple[Run, ...] = (
 def predict(run: Run, **changes: Any) -> tuple[float, StepTime]:
     """The model's throughput of ``run`` in the run's unit, and its step time. ``changes``
     replace fields of the run first (a counterfactual: ``predict(run, micro_batches=16)``).
-
-    ZeRO-3 under a pipeline, where this planner refuses it (before the planner plans FSDP
-    under PP), is planned as ZeRO-1: the same bytes per step, gathered and reduced once.
+    A layout the planner refuses raises its ``ValueError``: every published run is planned as run.
     """
     run = replace(run, **changes)
     gpus, tp, pp = run.gpus, run.tp, run.pp
     kwargs = dict(tp=tp, pp=pp, micro_batches=run.micro_batches, recompute=run.recompute)
-    try:
-        p = plan(run.model, gpus, 10**15, zero=run.zero, precision=run.precision, **kwargs)
-    except ValueError:
-        p = plan(run.model, gpus, 10**15, zero=1, precision=run.precision, **kwargs)
+    p = plan(run.model, gpus, 10**15, zero=run.zero, precision=run.precision, **kwargs)
     t = step_time(
         p, run.model, run.hardware, recompute=run.recompute, chunks=run.chunks,
         software=run.software, precision=run.gemm_precision,

@@ -68,3 +68,10 @@ def test_a_counterfactual_run_changes_the_prediction():
 def test_llama_is_gated_where_the_planner_allows():
     model = pub.llama(layers=2, hidden=64, heads=4, seq_len=8, ffn=128, vocab=10, params=80_000)
     assert getattr(model, "style", None) == "llama"
+
+
+def test_a_refused_layout_raises_instead_of_being_planned_otherwise():
+    """No fallback: a run the planner refuses (here a ZeRO stage that does not exist) raises,
+    where a silent re-plan as ZeRO-1 would report another layout's time under the run's name."""
+    with pytest.raises(ValueError, match="ZeRO stage"):
+        pub.predict(pub.TORCHTITAN_RUNS[2], zero=4)

@@ -182,6 +182,17 @@ def test_groups_across_nodes_use_every_nic_up_to_nvlink_and_nvls_all_reduces_fas
     assert h.intra.collective(370e9, 1, "all_gather", 8) == pytest.approx(1.0)
 
 
+def test_nvls_peak_only_above_the_size_nccl_tests_212_calls_too_small():
+    """NCCL's maintainer: ~480 GB/s is the peak, and '256M is too small to reach' it."""
+    link = H100_SXM_NODE.intra
+    for message, busbw in ((64 * 2**20, 370e9), (2**28, 370e9), (2**30, 480e9)):
+        sent = 2 * 7 / 8 * message  # one GPU's share of an 8-GPU all-reduce, one call
+        assert link.collective(sent, 1, "all_reduce", 8) == pytest.approx(sent / busbw)
+        # the same bytes in 4 calls: each call a quarter the size
+        quarter = 370e9 if message / 4 <= 2**28 else 480e9
+        assert link.collective(sent, 4, "all_reduce", 8) == pytest.approx(sent / quarter)
+
+
 def test_the_optimizer_step_reads_and_writes_the_shard_once():
     p = plan(SMALL, 2, GB, dp=2, zero=1, precision="fp32")
     t = step_time(p, SMALL, ROUND)
