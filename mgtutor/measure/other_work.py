@@ -67,17 +67,32 @@ def waited_seconds() -> float:
     lost to them: a thread of a rank that sleeps most of a step waits only when it wakes to a
     busy core. It also counts waits behind the process's own threads and its sibling ranks."""
     import glob
-    import math
 
-    total, found = 0.0, False
+    texts = []
     for path in glob.glob("/proc/self/task/*/schedstat"):
         try:
             with open(path) as f:
-                total += int(f.read().split()[1]) / 1e9
-            found = True
-        except (OSError, IndexError, ValueError):  # the thread ended meanwhile
+                texts.append(f.read())
+        except OSError:  # the thread ended meanwhile
             continue
-    return total if found else math.nan
+    return _waited(texts)
+
+
+def _waited(texts: list[str]) -> float:
+    """Run-queue wait in seconds over schedstat lines ("run_ns wait_ns slices"); NaN if unknown.
+
+    A kernel with scheduler statistics off prints "0 0 0" (proc_pid_schedstat): the thread that
+    reads the file has run, so no run time at all means the kernel does not say.
+    """
+    import math
+
+    total, ran = 0.0, 0
+    for text in texts:
+        fields = text.split()
+        if len(fields) >= 2 and fields[0].isdigit() and fields[1].isdigit():
+            ran += int(fields[0])
+            total += int(fields[1]) / 1e9
+    return total if ran else math.nan
 
 
 def _own_seconds() -> float:

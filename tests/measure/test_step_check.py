@@ -296,3 +296,15 @@ def test_cpu_ranks_predicted_within_the_bound_and_not_without_each_term():
             assert abs(m.error_without(term)) > m.bound, f"{term}: {report}"
     if not [m for m in held if m.config.ranks > 1]:
         pytest.skip(f"other work crowded every configuration of 2 ranks: {report}")
+
+
+def test_a_kernel_without_scheduler_statistics_is_not_read_as_no_wait() -> None:
+    import math
+
+    from mgtutor.measure import other_work
+
+    # proc_pid_schedstat prints "0 0 0" when schedstats are off: that is "unknown", not "no
+    # wait", or every emulated configuration would be asserted however crowded its cores.
+    assert math.isnan(other_work._waited(["0 0 0\n", "0 0 0\n"]))
+    assert math.isnan(other_work._waited([]))
+    assert other_work._waited(["5000 2000000000 7\n", "1000 500000000 2\n"]) == 2.5
