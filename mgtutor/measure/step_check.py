@@ -87,9 +87,10 @@ BOUND = {"real": 0.25, "emulated": 0.15}
 #: thread kept off a core while ready to run: a step of wall-clock T whose ranks' threads
 #: waited w for a core in all would have taken at least T - w uncrowded. w is measured over the
 #: window, about 1.25 steps (DDP, 1 micro-batch), so at 0.1 of it a step is stretched by at most
-#: about 14%: the deletions, 30% or more, stay outside the 15% bound. Waits behind the ranks' own threads count as well (towards NOT
-#: CHECKED, never towards a pass); where the kernel does not say (not Linux), the rule for real
-#: ranks holds them. In at least half the windows, so in the median step.
+#: about 14%: the deletions, 30% or more, stay outside the 15% bound. Waits behind the ranks'
+#: own threads count as well (towards NOT CHECKED, never towards a pass); where the kernel does
+#: not say (not Linux), the rule for real ranks holds them. In at least half the windows, so in
+#: the median step.
 CROWDED = 0.1
 
 
