@@ -19,6 +19,7 @@ time is then predicted at the share of a core the rank gets, re-timed before eac
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import replace
 from typing import Any
@@ -163,6 +164,16 @@ def with_latencies(hardware: Hardware, model: Transformer, seconds: dict[str, fl
     return replace(hardware, intra=link, inter=link)
 
 
+def _median_of(passes: list[Any]) -> Any:
+    """The median over ``passes`` of each number in the same nested dicts and lists."""
+    first = passes[0]
+    if isinstance(first, dict):
+        return {k: _median_of([p[k] for p in passes]) for k in first}
+    if isinstance(first, list):
+        return [_median_of([p[i] for p in passes]) for i in range(len(first))]
+    return statistics.median(passes)
+
+
 def _calibrate_rank(model: Transformer, sizes: list[int], window: float, calls: int) -> dict:
     """One rank's side of :func:`calibrate` (both ranks run the same, at once): ``model``'s
     products at tp 1 and 2, its operations."""
@@ -211,6 +222,7 @@ def calibrate(
     sizes: tuple[int, ...] | None = None,
     window: float = 0.03,
     calls: int = 6,
+    passes: int = 3,
 ) -> tuple[Hardware, dict[str, Any]]:
     """Measure this machine's 2 CPU ranks as a :class:`~mgtutor.plan.machine.Hardware`.
 
@@ -221,6 +233,10 @@ def calibrate(
             micro-batch's activation, 1 MiB and DDP's full bucket.
         window: seconds each rate is averaged over.
         calls: collectives timed per message size.
+        passes: times every figure is measured, a pass at a time; each is the median of its
+            passes. The machine's speed moves by a fifth within seconds on a shared host
+            (invisible to the other-work count), and a calibration timed once carries a slow
+            moment into every prediction that rests on it.
 
     Returns:
         The hardware (its device's ``gemm_rates`` and ``elementwise`` the slower rank's, per
@@ -235,7 +251,11 @@ def calibrate(
     needs_gloo_ranks(pool)
     activation = 4 * model.micro_batch * model.seq_len * model.hidden
     sizes = sizes or (activation, 2**20, min(DDP_BUCKET_BYTES, 4 * model.total))
-    results = pool.run(_calibrate_rank, model, list(sizes), window, calls, quiet=True).results
+    if passes < 1:
+        raise ValueError(f"passes={passes}: time each figure at least once (passes=1 or more)")
+    runs = [pool.run(_calibrate_rank, model, list(sizes), window, calls, quiet=True).results
+            for _ in range(passes)]  # fmt: skip
+    results = [_median_of(list(each)) for each in zip(*runs)]  # per rank, over the passes
     gemm = {k: min(r["gemm"][k] for r in results) for k in results[0]["gemm"]}
     element = {k: max(r["elementwise"][k] for r in results) for k in results[0]["elementwise"]}
     reduce_s = [max(r["all_reduce"][i] for r in results) for i in range(len(sizes))]

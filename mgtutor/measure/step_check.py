@@ -74,8 +74,13 @@ EMULATED_MODEL = Transformer(layers=4, hidden=1024, heads=16, seq_len=512, micro
 DEEP_MODEL = Transformer(layers=8, hidden=768, heads=12, seq_len=512, micro_batch=1)
 #: How far a prediction may be from the measured median: real configurations (one rank in CPU
 #: seconds; two ranks' wall-clock at the share of a core re-timed before each step), emulated
-#: ones (sleeps).
-BOUND = {"real": 0.25, "emulated": 0.15}
+#: ones (sleeps). Real: on a 2-core machine, 28 runs each of a fresh calibration (3 passes) and
+#: a check (rounds=2) put the uncrowded ones at -34% to +28% (benchmarks/step_check_spread.py; the
+#: calibration's passes themselves disagreed by a median 3-21% per figure), so they check the
+#: compute model's size, not one term: every compute rate 2x too fast (``scaled(hardware, 2)``)
+#: failed one process, DDP and 1F1B (-41% to -59%, two runs; TP -33%), 1.5x only sometimes,
+#: and DDP's gloo traffic, a quarter of its step, is inside it. The emulated ones check terms.
+BOUND = {"real": 0.40, "emulated": 0.15}
 #: The crowding of a configuration's median window (the timings that set a step's prediction,
 #: then the step) above which its error is printed, not asserted (:func:`window_crowding`).
 #: Real ranks: other work's CPU, in cores. c cores of it take at most c of each second from the

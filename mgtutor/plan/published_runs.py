@@ -29,9 +29,17 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from mgtutor.plan.compute_time import flops_per_token
-from mgtutor.plan.machine import A100_SELENE, GRAND_TETON_H100, MEGATRON_2021, TORCHTITAN
+from mgtutor.plan.machine import (
+    A100_SELENE,
+    GRAND_TETON_H100,
+    MEGATRON_2021,
+    TORCHTITAN,
+    Hardware,
+    Software,
+    StepTime,
+)
 from mgtutor.plan.planner import Transformer, plan
-from mgtutor.plan.step_time import Hardware, Software, StepTime, step_time
+from mgtutor.plan.step_time import step_time
 
 __all__ = [
     "NARAYANAN_TABLE_1",

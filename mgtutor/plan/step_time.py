@@ -52,41 +52,14 @@ from typing import Any
 
 from mgtutor.plan.activation_plan import ELEMENT_BYTES
 from mgtutor.plan.compute_time import compute_flops, layer_times, logits_times
-from mgtutor.plan.machine import (
-    A100_SELENE,
-    DDP_BUCKET_BYTES,
-    GRAND_TETON_H100,
-    H100_SXM_NODE,
-    MEGATRON,
-    MEGATRON_2021,
-    TORCH,
-    TORCHTITAN,
-    Hardware,
-    Link,
-    Software,
-    StepTime,
-)
+from mgtutor.plan.machine import TORCH, Hardware, Link, Software, StepTime
 from mgtutor.plan.pipeline_schedule import simulate
 from mgtutor.plan.plan_rules import candidate_layouts
 from mgtutor.plan.planner import BYTES_PER_PARAMETER, Plan, Transformer, plan
 
-__all__ = [
-    "A100_SELENE",
-    "DDP_BUCKET_BYTES",
-    "GRAND_TETON_H100",
-    "H100_SXM_NODE",
-    "MEGATRON",
-    "MEGATRON_2021",
-    "TORCH",
-    "TORCHTITAN",
-    "Hardware",
-    "Link",
-    "Software",
-    "StepTime",
-    "ranked",
-    "step_time",
-    "time_key",
-]
+#: The machines, software and a step's parts live in :mod:`mgtutor.plan.machine`; this module
+#: predicts with them.
+__all__ = ["ranked", "step_time", "time_key"]
 
 
 def _split(layers: int, stages: int) -> list[int]:
@@ -139,6 +112,7 @@ def step_time(
         The :class:`~mgtutor.plan.machine.StepTime` of the stage that finishes last.
 
     Example:
+        >>> from mgtutor.plan.machine import H100_SXM_NODE
         >>> model = Transformer(32, 4096, 32, 4096)
         >>> step_time(plan(model, 8, 80 * 10**9, zero=1), model, H100_SXM_NODE).total
     """

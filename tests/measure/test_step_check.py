@@ -273,7 +273,7 @@ def test_the_check_refuses_ranks_that_are_not_two_gloo_ranks():
 @pytest.mark.repeats_notebook("18_step_time.ipynb")  # its check cell asserts the same bounds
 def test_cpu_ranks_predicted_within_the_bound_and_not_without_each_term():
     # Calibrate, predict, measure every configuration of step_check.CONFIGS, interleaved. Each
-    # is held to its bound (real 25%, emulated 15%), and each of its deleted terms must fall
+    # is held to its bound (real 40%, emulated 15%), and each of its deleted terms must fall
     # outside it, only where its median window was uncrowded (step_check.CROWDED: other work's
     # cores beside real ranks, the share of the time emulated ranks waited for a core; counted by
     # the ranks, not read from a load average before them) and, for a real one, the calibration

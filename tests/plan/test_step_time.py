@@ -11,17 +11,9 @@ import pytest
 
 import mgtutor
 from mgtutor.plan.compute_time import Device, layer_times, logits_times
+from mgtutor.plan.machine import H100_SXM_NODE, MEGATRON_2021, TORCH, Hardware, Link
 from mgtutor.plan.planner import Transformer, plan, refused_layouts
-from mgtutor.plan.step_time import (
-    H100_SXM_NODE,
-    MEGATRON_2021,
-    TORCH,
-    Hardware,
-    Link,
-    ranked,
-    step_time,
-    time_key,
-)
+from mgtutor.plan.step_time import ranked, step_time, time_key
 
 GB = 10**9
 # Round numbers: 1e12 FLOP/s, no wave rule, 1e12 B/s memory; 100 GB/s inside a node of 2.
