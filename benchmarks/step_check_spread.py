@@ -21,7 +21,7 @@ Run it alone on an otherwise idle machine: ``python benchmarks/step_check_spread
 about 5 minutes on 2 cores, twice that with ``--scale``). Runs where other work crowded the ranks
 or the calibration (``Measured.asserted`` false) are counted apart: the check does not assert them.
 The JSON file (``--out``) keeps every run: each configuration's prediction, measured steps,
-error, crowding, and the machine (torch, Python, CPUs, date).
+error, crowding, and the machine and settings (torch, Python, CPUs, date, commit, passes, window).
 """
 
 from __future__ import annotations
@@ -38,6 +38,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+
+def _commit() -> str | None:
+    """The checkout's commit (and "+changes" if it has uncommitted ones), or None outside git."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "mgtutor",
+                                "benchmarks"], capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+changes" if dirty else "")
 
 
 def _row(m: object) -> dict:
@@ -68,6 +82,7 @@ def main() -> None:
     add = parser.add_argument
     add("--repeats", type=int, default=12, help="runs (each: a pool, calibrate, check)")
     add("--passes", type=int, default=3, help="the calibration's passes per figure")
+    add("--window", type=float, default=0.1, help="seconds each calibrated figure is timed over")
     add("--scale", type=float, default=None, help="also check with every compute rate this "
         "many times too fast")  # fmt: skip
     add("--out", default=str(ROOT / "benchmarks" / "results" / "step_check_spread.json"))
@@ -76,6 +91,8 @@ def main() -> None:
         parser.error(f"--repeats {args.repeats}: give 1 or more runs")
     if args.passes < 1:
         parser.error(f"--passes {args.passes}: give 1 or more")
+    if not args.window > 0:
+        parser.error(f"--window {args.window}: give seconds above 0 (0.1: the default)")
     if args.scale is not None and not args.scale > 0:
         parser.error(f"--scale {args.scale}: give a factor above 0 (2: twice too fast)")
 
@@ -93,12 +110,14 @@ def main() -> None:
         "torch": torch.__version__, "python": platform.python_version(),
         "cpus": os.cpu_count(), "machine": platform.platform(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "passes": args.passes, "scale": args.scale, "bound": bound, "runs": [],
+        "commit": _commit(), "passes": args.passes, "window": args.window, "rounds": 2,
+        "scale": args.scale, "bound": bound, "runs": [],
     }  # fmt: skip
     start = time.perf_counter()
     for run in range(args.repeats):
         with mgtutor.Pool(2, backend="gloo") as pool:
-            hardware, extra, _ = step_check.calibrate_beside(pool, passes=args.passes)
+            hardware, extra, _ = step_check.calibrate_beside(
+                pool, passes=args.passes, window=args.window)
             got = {"check": {m.name: _row(m) for m in step_check.check(
                 pool, hardware, extra, rounds=2, configs=names)}}  # fmt: skip
             if args.scale is not None:
@@ -116,7 +135,8 @@ def main() -> None:
               flush=True)  # fmt: skip
 
     print(f"\ntorch {torch.__version__}, Python {platform.python_version()}, "
-          f"{os.cpu_count()} CPUs; {args.repeats} runs, {args.passes} passes, held to {bound}")
+          f"{os.cpu_count()} CPUs; {args.repeats} runs, {args.passes} passes of {args.window:g} s, "
+          f"held to {bound}")
     _table("The check as run:", record["runs"], "check", names)
     if args.scale is not None:
         _table(f"Every compute rate x{args.scale:g} (the counterfactual: 'outside' is caught):",

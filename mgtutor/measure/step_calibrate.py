@@ -236,8 +236,8 @@ def calibrate(
         passes: times every figure is measured, a pass at a time; each is the median of its
             passes. On the project's 2-core build machine, idle, with 0.03 s windows, 3 passes
             of a figure seconds apart disagreed by a median 3-21% per calibration (single
-            figures by up to 107%), and one of six calibrations timed once put its run's four
-            configurations at +8% to +34%; a median of 3 outvotes one slow pass, not two.
+            figures by up to 107%); a median of 3 outvotes one slow pass, not two. The spread at
+            the 0.1 s default was not measured per figure.
 
     Returns:
         The hardware (its device's ``gemm_rates`` and ``elementwise`` the slower rank's, per

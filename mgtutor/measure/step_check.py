@@ -9,11 +9,12 @@ without it, inside with it. Two kinds of configuration:
 * real: :class:`~mgtutor.parallel.gpt_layer.GPTLayer` steps on the CPU, gloo between the ranks
   (its collectives use the cores that compute: nothing overlaps). They check the compute model's
   overall size, within a factor :data:`FACTOR` (gloo's traffic, a quarter to a third of a step,
-  and the memory-bound operations, a few percent, fit inside it: the emulated configurations
-  check terms). One rank's step is
+  and the memory-bound operations, about 3% of one process's step here, fit inside it: the
+  emulated configurations check terms). One rank's step is
   compared in CPU seconds, as the calibration's products and operations are timed, at the rate
   one rank alone computes (the calibration timed both ranks at once, which share caches and
-  memory bandwidth: alone, one process ran a median 14% faster than predicted without it);
+  memory bandwidth: without it one process was predicted a median 14% slow, 9 runs; with
+  it, -8%, from -15% to -7%, 8 runs);
   two ranks' steps in wall-clock time, at the share of a core the ranks got; both re-timed
   before each step (:func:`~mgtutor.measure.step_calibrate.scaled`).
 * emulated: a GPU rank emulated (:mod:`mgtutor.measure.emulated`): device time and a link slept
@@ -81,12 +82,14 @@ DEEP_MODEL = Transformer(layers=8, hidden=768, heads=12, seq_len=512, micro_batc
 BOUND = 0.15
 #: A real configuration's prediction may be up to this many times the measured median, or down
 #: to its inverse. Real steps on CPU ranks carry the calibration's noise and the steps': on the
-#: project's 2-core build machine (torch 2.14.1), idle, 18 fresh calibrations and checks put the
-#: uncrowded ones between -29% and +19%, medians -9% to -2% (benchmarks/step_check_spread.py,
-#: its table in the README; with 0.03 s windows and one rank unscaled, -35% to +41%), wider
-#: than DDP's gloo traffic, a quarter of its step, so no bound checks a term there. A factor of 2
-#: checks the compute model's overall size: every compute rate 3x too fast failed one process
-#: and 1F1B in every run, DDP in 2 of 7, TP in 1 of 8 (``--scale 3``). Emulated ones check terms.
+#: project's 2-core build machine (torch 2.14.1), idle, fresh calibrations and checks put the
+#: uncrowded ones between -26% and +12%, medians -14% (1F1B) to -3% (benchmarks/
+#: step_check_spread.py, its table in the README: one process 8 runs, the others 22-23; with
+#: 0.03 s windows, -35% to +34% with one rank unscaled, up to +41% with it scaled), wider than
+#: DDP's gloo traffic, a quarter of its step, so no bound checks a term there. A factor of 2
+#: checks the compute model's overall size: every compute rate 2x too fast failed one process
+#: and 1F1B in 8 of 8 runs, DDP and TP in none (``--scale 2``); 3x, DDP in 2 of 7, TP in 1 of 8.
+#: The emulated configurations check terms.
 FACTOR = 2.0
 #: The crowding of a configuration's median window (the timings that set a step's prediction,
 #: then the step) above which its error is printed, not asserted (:func:`window_crowding`).
@@ -375,8 +378,8 @@ def check(
         elif not c.emulated:
             now = hardware
             rate = statistics.median(got[name]["rate"])
-            if c.ranks == 1:  # CPU seconds, at the rate one rank alone computes now: the
-                # calibration timed both ranks at once, which share caches and memory bandwidth
+            if c.ranks == 1:  # CPU seconds, at the CPU-second rate one rank alone computes
+                # now: the calibration timed both ranks at once (caches, memory bandwidth shared)
                 seconds = got[name]["cpu"]
                 now = scaled(now, rate / extra["reference"])
             else:  # wall-clock: the calibration at the share of a core the ranks got

@@ -23,7 +23,8 @@ WINDOW = ("busy", "own", "wall", "waited")
 
 def _measure_rank(config: Any, steps: int, window: float, calls: int) -> dict[str, list]:
     """This rank's seconds of ``steps`` steps, each started together; before each, for real
-    configurations, the reference product's FLOP/s and (2 ranks) the small collectives'; and
+    configurations, the reference product's FLOP/s (per wall-clock second for 2 ranks, per CPU
+    second for one) and (2 ranks) the small collectives'; and
     over each window (those timings and the step) the busy CPU seconds of the CPUs the rank
     may run on, its own (all its threads), the wall-clock seconds and the seconds its threads
     waited for a core (:func:`window_crowding`)."""
@@ -45,8 +46,10 @@ def _measure_rank(config: Any, steps: int, window: float, calls: int) -> dict[st
             dist.barrier()
         opened, busy, own = time.perf_counter(), busy_seconds(), time.process_time()
         waited = waited_seconds()
-        if not config.emulated:
-            out["rate"].append(reference_rate(CHECK_MODEL, window))  # per wall second
+        if not config.emulated:  # 2 ranks: per wall second; one alone: per CPU second, as
+            # its step is compared (the calibration's "reference" is per CPU second)
+            clock = time.perf_counter if together else time.process_time
+            out["rate"].append(reference_rate(CHECK_MODEL, window, clock))
             for kind, timer in small.items():
                 out[kind].append(timer(calls))
         elif wire is not None and config.pp == 1:

@@ -5,6 +5,7 @@ other work (measure.other_work, the ranks' windows) and the check on this machin
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 
@@ -121,7 +122,6 @@ def test_a_configuration_is_asserted_only_while_other_work_leaves_the_ranks_alon
     assert not step_check.Measured(emu, None, [1.0], {}, crowded, 0.0).asserted
 
 
-
 def test_real_configurations_hold_within_a_factor_and_emulated_within_the_bound():
     # A real step predicted at half or twice the measured median holds, a little beyond does not;
     # an emulated one holds within BOUND (15%) either way. A deleted term is judged the same way.
@@ -130,6 +130,9 @@ def test_real_configurations_hold_within_a_factor_and_emulated_within_the_bound(
     m = step_check.Measured(real, None, [1.0], {"dp": 1.0 / f - 0.01})
     assert [m.within(s) for s in (1.0 / f, f, 0.99 / f, 1.01 * f)] == [True, True, False, False]
     assert not m.holds_without("dp")
+    predicted = types.SimpleNamespace  # a StepTime's total is all holds reads
+    assert step_check.Measured(real, predicted(total=0.99 * f), [1.0], {}).holds
+    assert not step_check.Measured(real, predicted(total=1.01 * f), [2.0, 1.0, 0.5], {}).holds
     e = step_check.Measured(emu, None, [1.0], {"dp": 1.0 - b + 0.01})
     inside, outside = (1 - 0.99 * b, 1 + 0.99 * b), (0.99 - b, 1.01 + b)
     assert [e.within(s) for s in (*inside, *outside)] == [True, True, False, False]
