@@ -133,6 +133,7 @@ def test_real_configurations_hold_within_a_factor_and_emulated_within_the_bound(
     predicted = types.SimpleNamespace  # a StepTime's total is all holds reads
     assert step_check.Measured(real, predicted(total=0.99 * f), [1.0], {}).holds
     assert not step_check.Measured(real, predicted(total=1.01 * f), [2.0, 1.0, 0.5], {}).holds
+    assert step_check.Measured(real, predicted(total=1.9), [2.0, 1.0, 0.5], {}).holds  # median
     e = step_check.Measured(emu, None, [1.0], {"dp": 1.0 - b + 0.01})
     inside, outside = (1 - 0.99 * b, 1 + 0.99 * b), (0.99 - b, 1.01 + b)
     assert [e.within(s) for s in (*inside, *outside)] == [True, True, False, False]
