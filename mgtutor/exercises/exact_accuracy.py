@@ -23,12 +23,15 @@ from mgtutor.exercises.rank_side import (
 
 __all__ = ["CASES", "EXERCISE", "check_exact_accuracy", "run"]
 
+# On 3 ranks, as 2 ranks never have more than one repeat (always the last rank's last index), so
+# no 2-rank case tells the recipe from a shortcut that drops that one entry.
 CASES = (  # label, samples, shuffle, drop_last
-    ("11 samples, shuffle=False: the sampler repeats 1", 11, False, False),
-    ("13 samples, shuffle=True: the sampler repeats 1", 13, True, False),
+    ("10 samples, shuffle=False: 2 repeats, on ranks 1 and 2", 10, False, False),
+    ("13 samples, shuffle=True: 2 repeats, on ranks 1 and 2", 13, True, False),
+    ("11 samples, shuffle=True: 1 repeat, on rank 2", 11, True, False),
     ("12 samples: no repeat", 12, True, False),
-    ("1 sample on 2 ranks: rank 1 holds only the repeat", 1, False, False),
-    ("11 samples, drop_last=True: 1 left out, none repeated", 11, True, True),
+    ("1 sample on 3 ranks: ranks 1 and 2 hold only repeats", 1, False, False),
+    ("11 samples, drop_last=True: 2 left out, none repeated", 11, True, True),
 )
 
 
@@ -43,8 +46,8 @@ def check_exact_accuracy(
     rank, in its order: whether the model got that sample right. Return, on every rank, the
     accuracy over the samples the sampler hands out, each counted once.
 
-    The checker runs it on 2 ranks, with datasets whose size does not divide by 2, one that
-    does, one where a rank holds nothing but the repeat, and ``drop_last=True``.
+    The checker runs it on 3 ranks, with datasets that put repeats on one rank, on two and on
+    none, one where two ranks hold nothing but repeats, and ``drop_last=True``.
 
     Args:
         exact_accuracy: your function.
@@ -139,14 +142,14 @@ EXERCISE = Exercise(
     key="exact_accuracy",
     name="exact_accuracy",
     functions=("exact_accuracy",),
-    world_size=2,
+    world_size=3,
     cases=tuple(case for case, *_ in CASES),
     run=run,
     reference=(solutions.exact_accuracy,),
     hang_hint="a collective that not every rank calls waits forever: call it on every rank, even "
     "one with no real sample, outside any if-block",
     raise_hints={
-        "ZeroDivisionError": "a rank can hold no real sample at all (1 sample on 2 ranks): "
+        "ZeroDivisionError": "a rank can hold no real sample at all (1 sample on 3 ranks): "
         "sum the correct and the sample counts over the ranks first, then divide once",
     },
 )

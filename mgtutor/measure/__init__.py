@@ -7,9 +7,12 @@
   :class:`~mgtutor.plan.memplan.MemoryBreakdown` that :mod:`mgtutor.plan.memplan` estimates.
 * :mod:`.activations`: the bytes a forward and backward create and keep alive, or that
   autograd saves; what one GPT layer keeps for backward.
-* :mod:`.step_calibrate` and :mod:`.step_check`: this machine's CPU ranks measured as a
-  :class:`~mgtutor.plan.step_time.Hardware` (achieved FLOP/s of a layer step, gloo's links, a
-  copy), then :mod:`mgtutor.plan.step_time`'s predictions checked against steps they run.
+* :mod:`.step_calibrate`, :mod:`.step_check` and :mod:`.step_builds`: this machine's CPU ranks
+  measured as a :class:`~mgtutor.plan.machine.Hardware` (each product at its shape, each
+  memory-bound operation per element, gloo's links, a copy), then
+  :mod:`mgtutor.plan.step_time`'s predictions checked against steps they run, each term deleted
+  in turn; :mod:`.emulated`, a GPU rank emulated on a CPU rank (device time and links slept at
+  declared rates) for the terms that overlap.
 * :mod:`.traffic`: every collective a step sends, counted inside the ranks, and what torch
   runs for ZeRO 0-3 set beside the planner's (the ZeRO paper's) pattern.
 * :mod:`.stats`: repeated measurements read with their spread.

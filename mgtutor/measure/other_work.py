@@ -12,6 +12,11 @@ process, its live descendants (the ranks a :class:`mgtutor.Pool` started) and th
 reaped. A rank can do the same around one step of its own (:mod:`~mgtutor.measure.step_check`
 does, with :func:`time.process_time` as the rank's own).
 
+:func:`waited_seconds` counts the other side: how long this process's threads were ready to run
+but waited for a CPU (Linux). For ranks that sleep most of a step (the step check's emulated GPU
+ranks) that is what crowding takes from them; other work on the cores they leave idle takes
+nothing.
+
 What it cannot see: a CPU quota without an affinity mask (Docker's ``--cpus``; the CPUs are all
 shown, and work on the others counts as other work), and, on macOS, reaped children's time
 (psutil reports none there; it then counts as other work). Both err towards calling a machine
@@ -24,7 +29,7 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["OtherWork", "busy_seconds"]
+__all__ = ["OtherWork", "busy_seconds", "waited_seconds"]
 
 
 def _cpus() -> list[int] | None:
@@ -51,6 +56,43 @@ def busy_seconds() -> float:
             busy -= getattr(t, guest, 0.0)
         total += busy
     return total
+
+
+def waited_seconds() -> float:
+    """Seconds this process's threads have spent ready to run but waiting for a CPU, all
+    threads together (Linux's ``/proc/self/task/*/schedstat``, its second field: run-queue wait,
+    in ns); NaN where the kernel does not say (macOS, Windows, a kernel without schedstats).
+
+    Unlike other work's CPU, which counts the cores others used, this counts what the process
+    lost to them: a thread of a rank that sleeps most of a step waits only when it wakes to a
+    busy core. It also counts waits behind the process's own threads and its sibling ranks."""
+    import glob
+
+    texts = []
+    for path in glob.glob("/proc/self/task/*/schedstat"):
+        try:
+            with open(path) as f:
+                texts.append(f.read())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return _waited(texts)
+
+
+def _waited(texts: list[str]) -> float:
+    """Run-queue wait in seconds over schedstat lines ("run_ns wait_ns slices"); NaN if unknown.
+
+    A kernel with scheduler statistics off prints "0 0 0" (proc_pid_schedstat): the thread that
+    reads the file has run, so no run time at all means the kernel does not say.
+    """
+    import math
+
+    total, ran = 0.0, 0
+    for text in texts:
+        fields = text.split()
+        if len(fields) >= 2 and fields[0].isdigit() and fields[1].isdigit():
+            ran += int(fields[0])
+            total += int(fields[1]) / 1e9
+    return total if ran else math.nan
 
 
 def _own_seconds() -> float:

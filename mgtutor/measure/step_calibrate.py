@@ -1,54 +1,63 @@
-"""Calibrate this machine's CPU ranks for the step-time model: achieved FLOP/s and gloo's links.
+"""Calibrate this machine's CPU ranks for the step-time model: what each part of a layer costs
+(timed by :mod:`mgtutor.measure.cpu_timing`), gloo's links, a copy, the emulated wire.
 
-:func:`calibrate` measures what :class:`~mgtutor.plan.step_time.Hardware` needs on CPU ranks
-(gloo). The FLOP/s is an achieved rate, as the time model asks: the counted FLOPs of one training
-step (forward and backward) of one :class:`~mgtutor.parallel.gpt_layer.GPTLayer` of the checked
-model's shape, divided by its measured time (the idea of MFU, model FLOPs utilization: Chowdhery
-et al., "PaLM", arXiv:2204.02311, appendix B). A step's matrix products alone run faster: the rest
-of a step (norms, softmax, autograd's bookkeeping, dispatch) is time without counted FLOPs, so a
-bare product's rate predicts every step too fast; it is measured too, to show the gap. gloo's
-all-reduce and send/recv are latency + bytes / bandwidth, a line through the message sizes a step
-sends, fitted by relative error so that the small messages (TP's activations, the pipeline's
-sends) are fitted as well as the large ones (DDP's buckets). Each call is timed after a stretch
-of compute on every rank, as a step meets it: the ranks then arrive apart and the later one sets
-when the call ends (a synchronisation cost per collective that back-to-back calls, the way
-nccl-tests and gloo's benchmark time them, never see).
+:func:`calibrate` measures, on 2 gloo ranks busy at once, what a
+:class:`~mgtutor.plan.machine.Hardware` needs to predict a step of CPU ranks: each matrix product
+of the checked layers at its own shape (forward, input gradient, weight gradient, the attention
+core's batched products; ``torch.mm``/``torch.bmm``), each memory-bound operation's seconds per
+element forward and backward (LayerNorm, residual add, softmax with its causal mask, GeLU), gloo's
+all-reduce and send/recv as latency + bytes / bandwidth (a line through the sizes a step sends,
+fitted by relative error; each call timed after a stretch of compute, as a step meets it), a
+copy of the gradients (DDP's bucket copies), and the emulated wire's latency per transfer
+(:mod:`mgtutor.measure.emulated`). Compute is measured, not derived from a step: a layer's step
+time is what the check predicts. Products and operations are timed in CPU seconds
+(``time.process_time``), which other work on the machine does not stretch; a step's wall-clock
+time is then predicted at the share of a core the rank gets, re-timed before each step.
 
 :mod:`mgtutor.measure.step_check` predicts with the result and measures the same ranks.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import replace
 from typing import Any
 
+from mgtutor.measure.cpu_timing import (
+    elementwise_timers,
+    gemm_shapes,
+    gemm_timer,
+    product_timers,
+    reference_rate,
+    seconds_per_call,
+)
+from mgtutor.plan.compute_time import Device
+from mgtutor.plan.machine import DDP_BUCKET_BYTES, Hardware, Link
 from mgtutor.plan.planner import Transformer
-from mgtutor.plan.step_time import DDP_BUCKET_BYTES, Hardware, Link, compute_flops
 
 __all__ = [
     "CHECK_MODEL",
-    "bare_matmul",
     "calibrate",
-    "layer_step",
+    "elementwise_timers",
+    "gemm_shapes",
     "needs_gloo_ranks",
+    "reference_rate",
+    "scaled",
     "seconds_per_call",
     "small_calls",
     "with_latencies",
 ]
 
-#: The model every configuration of the check trains: 2 GPT layers (:class:`~mgtutor.parallel.
-#: gpt_layer.GPTLayer`, no dropout), small enough that a step takes a tenth of a second on one
-#: core, large enough that matrix products dominate it.
+#: The model the real-compute configurations train: 2 GPT layers
+#: (:class:`~mgtutor.parallel.gpt_layer.GPTLayer`, no dropout), small enough that a step takes
+#: tens of milliseconds on one core, with products and memory-bound operations both sizeable.
 CHECK_MODEL = Transformer(layers=2, hidden=768, heads=12, seq_len=64, micro_batch=1)
-
-_KIB = 1024
 
 
 def _fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
     """Latency (s) and bandwidth (bytes/s) of t = latency + bytes / bandwidth, least squares on
-    the relative error (weights 1/t²): a plain fit lets the largest message set the line and
-    leaves the small ones' latency to noise (it came out negative, clamped to 0, here)."""
+    the relative error (weights 1/t²), so that the small messages fit as well as the large."""
     w = [1 / y**2 for y in seconds]
     sw = sum(w)
     mx = sum(wi * x for wi, x in zip(w, sizes)) / sw
@@ -61,59 +70,29 @@ def _fit(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), 1 / slope
 
 
-def seconds_per_call(fn: Any, min_seconds: float) -> float:
-    """Mean seconds of ``fn`` over calls lasting at least ``min_seconds`` in all.
-
-    A mean over a window, not the median of short calls: a step lasts many of the scheduler's
-    time slices and loses its share of them to whatever else runs, and so must the calibration.
-    """
-    calls, start = 0, time.perf_counter()
-    while True:
-        fn()
-        calls += 1
-        elapsed = time.perf_counter() - start
-        if elapsed >= min_seconds:
-            return elapsed / calls
-
-
-def layer_step(model: Transformer) -> tuple[Any, float]:
-    """One GPTLayer's training step (forward and backward) on one micro-batch of ``model``, and
-    its FLOPs as :func:`~mgtutor.plan.step_time.compute_flops` counts them."""
-    import torch
-
-    from mgtutor.parallel.gpt_layer import GPTLayer
-
-    layer = GPTLayer(model.hidden, model.heads, p=0.0)
-    x = torch.randn(model.micro_batch, model.seq_len, model.hidden)
-
-    def step() -> None:
-        layer.zero_grad(set_to_none=True)
-        layer(x).pow(2).mean().backward()
-
-    step()
-    one = replace(model, layers=1, vocab=0, params=None)
-    return step, compute_flops(one, model.micro_batch * model.seq_len)
-
-
-def bare_matmul(model: Transformer) -> tuple[Any, float]:
-    """The MLP's first matrix product of one micro-batch, bare, and its FLOPs."""
-    import torch
-
-    m, k, n = model.micro_batch * model.seq_len, model.hidden, model.ffn or 4 * model.hidden
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    a @ b
-    return (lambda: a @ b), 2.0 * m * k * n
-
-
-def _rate(kind: str, model: Transformer, window: float) -> float:
-    """FLOP/s of ``kind`` ("step": one layer's training step; "matmul": a bare product)."""
-    fn, flops = (layer_step if kind == "step" else bare_matmul)(model)
-    return flops / seconds_per_call(fn, window)
+def scaled(hardware: Hardware, factor: float, links: float = 1.0) -> Hardware:
+    """``hardware`` computing ``factor`` times as fast (its products' rates, its operations'
+    seconds per element, its copy) and its gloo links ``links`` times as fast (loopback: the
+    cores move the bytes): the calibration at the share of a core the ranks get now."""
+    d = hardware.device
+    device = replace(
+        d,
+        gemm_rates={k: v * factor for k, v in d.gemm_rates.items()},
+        elementwise={k: v / factor for k, v in d.elementwise.items()},
+    )
+    link = hardware.intra
+    link = replace(
+        link,
+        bandwidth=link.bandwidth * links,
+        p2p_bandwidth=(link.p2p_bandwidth or link.bandwidth) * links,
+    )
+    copy = hardware.copy * factor if hardware.copy else None
+    return replace(hardware, device=device, intra=link, inter=link, copy=copy)
 
 
 def _mean_seconds(fn: Any, calls: int, work: Any = None) -> float:
-    """Mean seconds of ``calls`` calls of ``fn`` (a fixed count, as every rank must make the
-    same number of collectives), each after a call of ``work`` that is not timed."""
+    """Mean seconds of ``calls`` calls of ``fn`` (every rank the same count), each after an
+    untimed call of ``work``."""
     total = 0.0
     for _ in range(calls):
         if work is not None:
@@ -125,10 +104,8 @@ def _mean_seconds(fn: Any, calls: int, work: Any = None) -> float:
 
 
 def _together_mean(call: Any, calls: int, work: Any, per_call: int = 1) -> float:
-    """Mean seconds of one of ``per_call`` collectives in ``call``, timed as
-    :func:`_mean_seconds` does after the ranks start together: a barrier and one untimed call
-    first, since whatever ran before ended at a different moment on each rank and the first
-    call would wait out that difference, which no step's call does."""
+    """:func:`_mean_seconds` of one of ``per_call`` collectives in ``call``, after a barrier and
+    one untimed call (whatever ran before ended at a different moment on each rank)."""
     import torch.distributed as dist
 
     dist.barrier()
@@ -159,17 +136,15 @@ def _ping(t: Any, rank: int) -> None:
 
 
 def small_calls(model: Transformer) -> dict[str, Any]:
-    """Timers of the smallest collectives a step of ``model`` sends on 2 ranks, one
-    micro-batch's activation: ``"all_reduce"`` (tensor parallelism's) and ``"send"`` (the
-    pipeline's). Each timer takes a call count (every rank the same) and returns the mean
-    seconds of one call, each after a bare product on every rank, as :func:`calibrate` times
-    them."""
+    """Timers of the smallest collectives a step of ``model`` sends on 2 ranks (one
+    micro-batch's activation): ``"all_reduce"`` (TP's) and ``"send"`` (the pipeline's), each
+    taking a call count and returning one call's mean seconds, timed after a product."""
     import torch
     import torch.distributed as dist
 
     t = torch.zeros(model.micro_batch * model.seq_len * model.hidden)
-    work, rank = bare_matmul(model)[0], dist.get_rank()
-
+    h = model.hidden
+    work, rank = gemm_timer((model.micro_batch * model.seq_len, h, 4 * h, 1)), dist.get_rank()
     return {
         "all_reduce": lambda calls: _together_mean(lambda: dist.all_reduce(t), calls, work),
         "send": lambda calls: _together_mean(lambda: _ping(t, rank), calls, work, per_call=2),
@@ -177,58 +152,67 @@ def small_calls(model: Transformer) -> dict[str, Any]:
 
 
 def with_latencies(hardware: Hardware, model: Transformer, seconds: dict[str, float]) -> Hardware:
-    """``hardware`` with its links' per-call latencies re-read from ``seconds`` (as
-    :func:`small_calls` measures them: one call of a micro-batch's activation) less that
-    message's bytes over the link's bandwidth; the bandwidths stay."""
+    """``hardware`` with its links' per-call latencies re-read from ``seconds`` (one call of a
+    micro-batch's activation, as :func:`small_calls` times it) less its bytes over the link."""
     size = 4 * model.micro_batch * model.seq_len * model.hidden
     link = hardware.intra
-    p2p_bandwidth = link.p2p_bandwidth or link.bandwidth
-    link = replace(
-        link,
-        latency=max(seconds.get("all_reduce", 0.0) - size / link.bandwidth, 0.0)
-        if "all_reduce" in seconds
-        else link.latency,
-        p2p_latency=max(seconds["send"] - size / p2p_bandwidth, 0.0)
-        if "send" in seconds
-        else link.p2p_latency,
-    )
+    if "all_reduce" in seconds:
+        link = replace(link, latency=max(seconds["all_reduce"] - size / link.bandwidth, 0.0))
+    if "send" in seconds:
+        p2p = link.p2p_bandwidth or link.bandwidth
+        link = replace(link, p2p_latency=max(seconds["send"] - size / p2p, 0.0))
     return replace(hardware, intra=link, inter=link)
 
 
-def _calibrate_rank(
-    model: Transformer, sizes: list[int], window: float, calls: int, after_compute: bool
-) -> dict:
-    """One rank's side of :func:`calibrate` (every rank runs the same)."""
+def _median_of(passes: list[Any]) -> Any:
+    """The median over ``passes`` of each number in the same nested dicts and lists."""
+    first = passes[0]
+    if isinstance(first, dict):
+        return {k: _median_of([p[k] for p in passes]) for k in first}
+    if isinstance(first, list):
+        return [_median_of([p[i] for p in passes]) for i in range(len(first))]
+    return statistics.median(passes)
+
+
+def _calibrate_rank(model: Transformer, sizes: list[int], window: float, calls: int) -> dict:
+    """One rank's side of :func:`calibrate` (both ranks run the same, at once): ``model``'s
+    products at tp 1 and 2, its operations."""
     import torch
     import torch.distributed as dist
 
+    from mgtutor.measure.emulated import Wire
     from mgtutor.worker import setup
 
     setup()
     rank = dist.get_rank()
-    flops = {}
-    # Rank 0 alone (the one-process configuration), then both ranks at once (every other).
-    for kind in ("step", "matmul"):
-        for busy in ("alone", "together"):
+    out: dict[str, Any] = {"gemm": {}, "elementwise": {}}
+    for shape in gemm_shapes(model):
+        for key, fn in product_timers(shape).items():
             dist.barrier()
-            if busy == "together" or rank == 0:
-                flops[kind, busy] = _rate(kind, model, window)
-    # A step meets each collective after a stretch of compute: the ranks arrive when their own
-    # compute ends, and the later one sets when the collective ends. Back to back they arrive
-    # together, which no step does.
-    work = bare_matmul(model)[0] if after_compute else None
-    # DDP's bucket copies (step_time's "copies"): the model's float32 gradients copied, on both
-    # ranks at once (larger than a cache, as a model's gradients are).
+            flops = 2.0 * key[0] * key[1] * key[2] * shape[3]
+            out["gemm"].setdefault(key, flops / seconds_per_call(fn, window, time.process_time))
+    for kind, (fn, elements) in elementwise_timers(model).items():
+        dist.barrier()
+        out["elementwise"][kind] = seconds_per_call(fn, window, time.process_time) / elements
+    out["reference"] = reference_rate(model, window, time.process_time)
+    out["reference_wall"] = reference_rate(model, window)
     src = torch.randn(model.total)
     dst = torch.empty_like(src)
     dist.barrier()
-    copy_rate = 4 * model.total / seconds_per_call(lambda: dst.copy_(src), window / 2)
-    reduce_s, send_s = [], []
+    out["copy"] = (
+        4 * model.total / seconds_per_call(lambda: dst.copy_(src), window, time.process_time)
+    )
+    work = gemm_timer((model.micro_batch * model.seq_len, model.hidden, 4 * model.hidden, 1))
+    out["all_reduce"], out["send"] = [], []
     for size in sizes:
         t = torch.zeros(size // 4)
-        reduce_s.append(_together_mean(lambda t=t: dist.all_reduce(t), calls, work))
-        send_s.append(_together_mean(lambda t=t: _ping(t, rank), calls, work, per_call=2))
-    return {"flops": flops, "all_reduce": reduce_s, "send": send_s, "copy": copy_rate}
+        out["all_reduce"].append(_together_mean(lambda t=t: dist.all_reduce(t), calls, work))
+        out["send"].append(_together_mean(lambda t=t: _ping(t, rank), calls, work, per_call=2))
+    wire = Wire(1e12)  # 1 TB/s: a transfer is its latency alone
+    dist.barrier()
+    out["wire"] = _mean_seconds(lambda: wire.send(0.0), calls)
+    wire.close()
+    return out
 
 
 def calibrate(
@@ -236,67 +220,64 @@ def calibrate(
     *,
     model: Transformer = CHECK_MODEL,
     sizes: tuple[int, ...] | None = None,
-    window: float = 0.5,
-    calls: int = 20,
-    rate: str = "step",
-    after_compute: bool = True,
-) -> Hardware:
-    """Measure this machine's 2 CPU ranks as a :class:`~mgtutor.plan.step_time.Hardware`.
+    window: float = 0.1,
+    calls: int = 6,
+    passes: int = 3,
+) -> tuple[Hardware, dict[str, Any]]:
+    """Measure this machine's 2 CPU ranks as a :class:`~mgtutor.plan.machine.Hardware`.
 
     Args:
-        pool: a :class:`mgtutor.Pool` of 2 gloo ranks to measure on
-            (``mgtutor.Pool(2, backend="gloo")``).
-        model: the shape whose layer step (and MLP product) is timed.
-        sizes: message sizes in bytes of the all-reduce and send/recv fits; by default those a
-            step of ``model`` sends: one micro-batch's activation (TP's all-reduces, the
-            pipeline's sends), 1 MiB, and DDP's full gradient bucket.
-        window: seconds each FLOP/s is averaged over.
-        calls: all-reduces (and round trips) timed per message size.
-        after_compute: time each call after a bare product on each rank, as a step meets its
-            collectives (ranks arriving apart); False: back to back, which predicts too fast.
-        rate: "step" (the achieved rate of a layer's training step, the default) or "matmul"
-            (a bare product's, which predicts too fast; kept to show by how much).
+        pool: a :class:`mgtutor.Pool` of 2 gloo ranks (``mgtutor.Pool(2, backend="gloo")``).
+        model: the shape whose products (at tp 1 and 2) and operations are timed.
+        sizes: message sizes (bytes) of the all-reduce and send/recv fits; by default a
+            micro-batch's activation, 1 MiB and DDP's full bucket.
+        window: seconds each rate is averaged over.
+        calls: collectives timed per message size.
+        passes: times every figure is measured, a pass at a time; each is the median of its
+            passes. On the project's 2-core build machine, idle, with 0.03 s windows, 3 passes
+            of a figure seconds apart disagreed by a median 3-21% per calibration (single
+            figures by up to 107%); a median of 3 outvotes one slow pass, not two. The spread at
+            the 0.1 s default was not measured per figure.
 
     Returns:
-        Hardware with ``flops["fp32"]`` (the slower rank's, both ranks busy at once) and
-        ``flops["fp32_alone"]`` (rank 0 busy, rank 1 idle) of ``rate``; ``"matmul"`` and
-        ``"matmul_alone"`` the bare product's for comparison; gloo's all-reduce as the link (a
-        2-rank ring sends the whole buffer: 2(n-1)/n = 1) and send/recv as its point-to-point
-        figures, ``overlap=0`` (gloo reduces on the cores that compute), and ``copy``, the
-        slower rank's bytes/s copying the model's gradients while the other copies too.
+        The hardware (its device's ``gemm_rates`` and ``elementwise`` the slower rank's, per
+        CPU second; gloo as its links, ``overlap=0``: gloo reduces on the cores that compute;
+        ``copy``), and what else was measured: ``"reference"`` (:func:`reference_rate` at
+        calibration, per CPU second; ``"reference_wall"`` per wall-clock second, at the load
+        gloo's links were timed at) and ``"wire"`` (seconds of an emulated wire's transfer of
+        no bytes).
     """
     from mgtutor.hardware import describe_hardware
 
-    if rate not in ("step", "matmul"):
-        raise ValueError(f"rate must be 'step' or 'matmul', got {rate!r}")
     needs_gloo_ranks(pool)
     activation = 4 * model.micro_batch * model.seq_len * model.hidden
-    bucket = min(DDP_BUCKET_BYTES, 4 * model.total)  # float32 gradients, DDP's bucket cap
-    sizes = sizes or (activation, 1024 * _KIB, bucket)
-    run = pool.run(_calibrate_rank, model, list(sizes), window, calls, after_compute, quiet=True)
-    results = run.results
-
-    def of(kind: str, busy: str) -> float:  # rank 0's alone; the slower rank's together
-        rates = [r["flops"][kind, busy] for r in results if (kind, busy) in r["flops"]]
-        return min(rates)
-
-    flops = {"fp32": of(rate, "together"), "fp32_alone": of(rate, "alone")}
-    flops.update(matmul=of("matmul", "together"), matmul_alone=of("matmul", "alone"))
+    sizes = sizes or (activation, 2**20, min(DDP_BUCKET_BYTES, 4 * model.total))
+    if passes < 1:
+        raise ValueError(f"passes={passes}: time each figure at least once (passes=1 or more)")
+    runs = [pool.run(_calibrate_rank, model, list(sizes), window, calls, quiet=True).results
+            for _ in range(passes)]  # fmt: skip
+    results = [_median_of(list(each)) for each in zip(*runs)]  # per rank, over the passes
+    gemm = {k: min(r["gemm"][k] for r in results) for k in results[0]["gemm"]}
+    element = {k: max(r["elementwise"][k] for r in results) for k in results[0]["elementwise"]}
     reduce_s = [max(r["all_reduce"][i] for r in results) for i in range(len(sizes))]
     send_s = [max(r["send"][i] for r in results) for i in range(len(sizes))]
-    latency, bandwidth = _fit(list(sizes), reduce_s)
-    p2p_latency, p2p_bandwidth = _fit(list(sizes), send_s)
-    link = Link(bandwidth, latency, p2p_bandwidth, p2p_latency)
-    return Hardware(
+    link = Link(*_fit(list(sizes), reduce_s)[::-1], *_fit(list(sizes), send_s)[::-1])
+    device = Device("this machine's CPU rank (1 thread)", gemm_rates=gemm, elementwise=element)
+    hardware = Hardware(
         name="this machine's CPU ranks, gloo over loopback (1 thread per rank)",
-        flops=flops,
+        device=device,
         intra=link,
         inter=link,
         gpus_per_node=2,
         memory=describe_hardware().memory_bytes // 2,
         overlap=0.0,
         copy=min(r["copy"] for r in results),
-        source=f"calibrate(): {rate} FLOP/s of {model}, on each rank at once and on rank 0 "
-        f"alone; gloo all_reduce and send/recv at {list(sizes)} bytes, relative least squares; "
-        "a copy of the float32 gradients on each rank at once",
+        source=f"calibrate(): {len(gemm)} products and {len(element)} operations of {model}, "
+        f"both ranks busy; gloo at {list(sizes)} bytes, relative least squares; a copy",
     )
+    extra = {
+        "reference": min(r["reference"] for r in results),
+        "reference_wall": min(r["reference_wall"] for r in results),
+        "wire": max(r["wire"] for r in results),
+    }
+    return hardware, extra

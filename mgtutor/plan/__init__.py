@@ -8,9 +8,14 @@
   shape is a :class:`~.shape.Transformer`.
 * :mod:`.plan_rules`: the planner's rules about what runs: TP and SP collectives per layer,
   FSDP under a pipeline, the pipelines torch refuses, the bubble and the ranking rule.
-* :mod:`.step_time`: the planner's clock: a layout's predicted step time (compute at an
-  achieved FLOP/s, each collective on its link, the bubble, overlap, DDP's copies) on a
-  :class:`~.step_time.Hardware`, and the layouts ranked by it.
+* :mod:`.step_time`: the planner's clock: a layout's predicted step time by part (products and
+  memory-bound operations at their sharded shapes, each collective on its link, the pipeline
+  played out, what each technique overlaps, DDP's copies, the optimizer step), and the layouts
+  ranked by it at a fixed global batch. Its inputs: :mod:`.compute_time` (a GPU's products by
+  shape, memory-bound operations, the FLOP conventions of MFU and HFU), :mod:`.pipeline_schedule`
+  (a schedule played stage by stage), :mod:`.machine` (links, GPUs, what the training code
+  overlaps; the machines of published runs); :mod:`.published_runs`, those runs and the model's
+  prediction of each.
 * :mod:`.activation_plan`: the activations one layer keeps for backward, term by term
   (Korthikanti et al.), with the element and dropout-mask bytes as parameters.
 

@@ -1,211 +1,89 @@
 """A clock for the planner: the predicted time of one training step of a layout, term by term.
 
-:func:`step_time` takes a :class:`~mgtutor.plan.planner.Plan` (what one GPU holds and
-sends), the model's shape and a :class:`Hardware` (what a GPU computes per second, what each
-link carries), and returns a :class:`StepTime`: compute, each group's exposed communication and
-the pipeline's bubble, in seconds. :func:`ranked` sorts every layout the planner keeps by that
-time. Every assumption is a parameter below, with its source:
+:func:`step_time` takes a :class:`~mgtutor.plan.planner.Plan` (what one GPU holds and sends), the
+model's shape, a :class:`~mgtutor.plan.machine.Hardware` and a
+:class:`~mgtutor.plan.machine.Software` (what the training code overlaps), and returns a
+:class:`~mgtutor.plan.machine.StepTime`: the seconds of the stage that finishes last, by part.
+:func:`ranked` sorts every layout that fits by it, at a fixed global batch. The assumptions:
 
-* Compute: 6 FLOPs per parameter per token for the matrix products (forward 2, backward 4),
-  plus attention's two s x s products, 12·s·h per token per layer; full recomputation runs the
-  forward again (8 per parameter), selective recomputation the attention products' forward
-  (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
-  Megatron-LM", arXiv:2104.04473, section 5.1 and appendix). It runs at the hardware's achieved
-  FLOP/s, split evenly over the tensor- and pipeline-parallel ranks.
+* Compute: each matrix product at its sharded shape and each memory-bound operation, per layer
+  per micro-batch (:mod:`~mgtutor.plan.compute_time`); recomputation runs in the backward.
 * A collective: calls x latency + the bytes one GPU sends / the link's bus bandwidth (the
-  planner's bytes already carry a ring's 2(n-1)/n or (n-1)/n; nccl-tests' busbw is defined the
-  same way, so bandwidths quoted from nccl-tests plug in unchanged). Tensor parallelism crosses
-  the fast link while its group fits in a node; data parallelism the slow one once tp x dp
-  exceeds a node; pipeline sends cross nodes once the layout spans nodes (ranks numbered tp
-  fastest, then dp, then pp, as Megatron-LM and torchtitan place them).
-* The pipeline: each micro-batch's compute, TP collectives and stage-to-stage sends are
-  stretched by the bubble (p-1)/(v·m + p-1) of the step (v model chunks per GPU: 1 for GPipe
-  and 1F1B; Narayanan et al. section 2.2).
-* DDP's bucket copies: unless the gradients stay views into the buckets
-  (``gradient_as_bucket_view=True``, torch's default False, with ``zero_grad(set_to_none=False)``
-  so that the views survive the step), the reducer copies each gradient into its bucket before
-  the all-reduce and the bucket back into the gradient after it (torch 2.11-2.15,
-  include/torch/csrc/distributed/c10d/reducer.hpp: ``mark_variable_ready_dense``,
-  ``copy_bucket_to_grad``): twice the gradient bytes at the hardware's ``copy`` rate, on the
-  critical path. Counted where the hardware has a copy rate.
-* Overlap: data parallelism's gradient collectives hide behind backward except the last bucket
-  (DDP: Li et al., "PyTorch Distributed", VLDB 2020, section 3.2.3); ZeRO-3's all-gathers are
-  prefetched behind compute except the first unit's; ZeRO-1/2's parameter all-gather after the
-  optimizer step hides nowhere; every tensor-parallel collective is charged as exposed. The
-  forward ones are: they sit between the matrix products that need them. The backward ones
-  need not be (Megatron-LM all-reduces the input's gradient while it computes the weight's,
-  notebook 13): this model leaves that overlap out, so it overstates TP's time. Pipeline
-  sends are on the critical path. How much of a collective can hide is the hardware's
-  ``overlap`` (1 on GPUs, where NCCL runs on its own CUDA stream; 0 on CPU ranks, whose gloo
-  collectives use the cores that compute).
+  planner's bytes carry a ring's 2(n-1)/n or (n-1)/n, as nccl-tests' busbw does). A group
+  inside a node uses NVLink; a group spanning nodes with k GPUs on each node gets
+  min(NVLink, k NICs): NCCL's rings cross each node once per channel, one NIC per channel
+  (nccl-tests#119: 8 A100s with 4 HDR NICs reached 96 GB/s all-reduce busbw, the 4 NICs' 100 of
+  line rate). Ranks are numbered tp fastest, then dp, then pp (Megatron-LM, torchtitan).
+* Tensor parallelism: forward collectives sit between the products that need them, on the
+  critical path; a backward all-reduce of a column-parallel linear's input gradient runs while
+  that linear's weight gradient is computed, hidden up to that product's time (Megatron-LM's
+  ``LinearWithGradAccumulationAndAsyncCommunication`` with CUDA_DEVICE_MAX_CONNECTIONS=1;
+  notebook 13 shows the overlap). ``Software.tp_overlap`` says which a code does.
+* The pipeline: :func:`~mgtutor.plan.pipeline_schedule.simulate` plays the schedule with each
+  stage's seconds per micro-batch (the last stage adds the output layer and loss) and each
+  send's; "bubble" is what the last stage to finish idles without sends, "pp" what sends add.
+  A send carries b·s·h/t per GPU, all-gathered over the tensor-parallel group on arrival
+  (Megatron-LM's scatter/gather, Narayanan et al. 2021 section 4.1), or b·s·h without it.
+* Data parallelism: gradients are reduced once per step, during the last micro-batch's backward
+  (``no_sync`` before it) from its first bucket on, so that backward alone hides them, and the
+  last bucket not at all
+  (Li et al., "PyTorch Distributed", VLDB 2020, section 3.2.3); Megatron-LM's 2021 local DDP
+  reduces after the backward. ZeRO-2 reduce-scatters each micro-batch behind its backward;
+  ZeRO-1/2 all-gather the parameters after the optimizer step. ZeRO-3 gathers each layer
+  behind the previous one's compute, forward and backward, and reduce-scatters behind the
+  backward; under a pipeline FSDP keeps the stage unsharded for the step: one gather before
+  the first forward, one reduce-scatter in the last backward (torchtitan's
+  ``reshard_after_forward=False`` under PP; torch's pipeline stage).
+* DDP's bucket copies (ZeRO-0, and torch's ZeRO-1, which runs DDP's reducer): unless gradients
+  stay bucket views, each is copied into its bucket and back (``reducer.hpp``, torch 2.11-2.15).
+* The optimizer step: the shard's state, gradients and parameters, read and written once at the
+  memory bandwidth.
 
-Left out: kernel launch and Python overhead, memory-bound operations (norms, softmax, the
-optimizer step), load imbalance between stages (the embedding, the loss), the slowest rank's
-noise, and congestion between groups that share a link. :mod:`mgtutor.measure.step_check`
-checks the model against CPU ranks it runs.
+Left out: kernel launch and Python overhead, data loading, a ring's latency growing with its
+size (no GPU latency is quoted), congestion between groups sharing a link, stragglers.
+:mod:`mgtutor.measure.step_check` checks the terms on CPU ranks it runs.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
-from mgtutor.plan.planner import Plan, Transformer, layouts
+from mgtutor.plan.activation_plan import ELEMENT_BYTES
+from mgtutor.plan.compute_time import compute_flops, layer_times, logits_times
+from mgtutor.plan.machine import TORCH, Hardware, Link, Software, StepTime
+from mgtutor.plan.pipeline_schedule import simulate
+from mgtutor.plan.plan_rules import candidate_layouts
+from mgtutor.plan.planner import BYTES_PER_PARAMETER, Plan, Transformer, plan
 
-__all__ = [
-    "DDP_BUCKET_BYTES",
-    "GRAND_TETON_H100",
-    "H100_SXM_NODE",
-    "Hardware",
-    "Link",
-    "StepTime",
-    "compute_flops",
-    "ranked",
-    "step_time",
-    "time_key",
-]
-
-#: The size of DDP's gradient buckets, torch's default ``bucket_cap_mb=25``
-#: (torch/nn/parallel/distributed.py); the last bucket reduced is at most this.
-DDP_BUCKET_BYTES = 25 * 2**20
+#: The machines, software and a step's parts live in :mod:`mgtutor.plan.machine`; this module
+#: predicts with them.
+__all__ = ["ranked", "step_time", "time_key"]
 
 
-@dataclass(frozen=True)
-class Link:
-    """One class of link: bus bandwidth in bytes/s (nccl-tests' busbw), latency per call in s.
-
-    ``p2p_bandwidth`` is a point-to-point send's bytes/s (the bandwidth if None).
-    """
-
-    bandwidth: float
-    latency: float = 0.0
-    p2p_bandwidth: float | None = None
-    p2p_latency: float | None = None
-
-    def collective(self, sent_bytes: float, calls: int) -> float:
-        """Seconds for ``calls`` collectives sending ``sent_bytes`` in all (one GPU's share)."""
-        return calls * self.latency + sent_bytes / self.bandwidth
-
-    def send(self, nbytes: float, calls: int) -> float:
-        """Seconds for ``calls`` point-to-point sends of ``nbytes`` in all."""
-        bw = self.p2p_bandwidth or self.bandwidth
-        latency = self.latency if self.p2p_latency is None else self.p2p_latency
-        return calls * latency + nbytes / bw
+def _split(layers: int, stages: int) -> list[int]:
+    base, extra = divmod(layers, stages)
+    return [base + (1 if s < extra else 0) for s in range(stages)]
 
 
-@dataclass(frozen=True)
-class Hardware:
-    """A machine as the time model needs it; each figure measured or quoted, never guessed.
+def _tp_seconds(plan: Plan, link: Link, layers: int, recompute: str) -> tuple[float, ...]:
+    """Seconds of one layer's TP collectives per micro-batch: (forward, backward, recompute).
 
-    Attributes:
-        name: what it is.
-        flops: achieved FLOP/s per GPU (or per rank) by precision ("mixed", "fp32", ...).
-        intra: the link between GPUs of one node (NVLink; loopback for CPU ranks).
-        inter: the link between nodes (InfiniBand).
-        gpus_per_node: GPUs (ranks) per node.
-        memory: bytes of memory per GPU.
-        overlap: the share of an overlappable collective that can hide behind compute.
-        source: where each figure comes from.
-        copy: bytes/s of a memory-to-memory copy on one GPU (rank), both reading and writing;
-            None: not modelled (no figure quoted). DDP copies every gradient into its bucket
-            before the all-reduce and back after it (see :func:`step_time`).
-    """
-
-    name: str
-    flops: dict[str, float]
-    intra: Link
-    inter: Link
-    gpus_per_node: int
-    memory: int
-    overlap: float = 1.0
-    source: str = ""
-    copy: float | None = None
-
-
-#: NVIDIA H100 SXM: 989 TFLOP/s dense bf16 peak (torchtitan's ``get_peak_flops``, from
-#: nvidia.com/en-us/data-center/h100), at the 52% of peak Megatron-LM reached per GPU
-#: (Narayanan et al., arXiv:2104.04473, abstract; on A100s: an assumption for H100). NVLink: 450
-#: GB/s line rate, about 370 GB/s ring busbw after NCCL's protocol overhead (NCCL's maintainer,
-#: NVIDIA/nccl-tests#212). Between nodes 400 Gb/s = 50 GB/s per GPU, line rate (an upper
-#: bound). No latency is quoted: 0. 80 GB per GPU (device name "NVIDIA H100 80GB HBM3" in the
-#: nccl-tests issues).
-H100_SXM_NODE = Hardware(
-    name="8 x H100 SXM 80GB, NVLink, 400 Gb/s InfiniBand per GPU",
-    flops={"mixed": 0.52 * 989e12, "mixed_fp32_grads": 0.52 * 989e12},
-    intra=Link(370e9),
-    inter=Link(50e9),
-    gpus_per_node=8,
-    memory=80 * 10**9,
-    source="989e12 x 0.52 (torchtitan get_peak_flops; Narayanan et al. 2021); NVLink ring "
-    "busbw 370 GB/s (nccl-tests#212); InfiniBand 400 Gb/s per GPU, line rate",
-)
-
-#: torchtitan's benchmark machine (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md,
-#: commit 31a17bf): Grand Teton hosts of 8 H100s fully connected with NVLink, 96 GB HBM2e,
-#: 400 Gb/s RDMA per GPU, 500 W power limit. Same links and rate assumption as H100_SXM_NODE.
-GRAND_TETON_H100 = Hardware(
-    name="Grand Teton: 8 x H100 96GB (500 W), NVLink, 400 Gb/s RDMA per GPU",
-    flops=dict(H100_SXM_NODE.flops),
-    intra=Link(370e9),
-    inter=Link(50e9),
-    gpus_per_node=8,
-    memory=96 * 10**9,
-    source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (hardware section); rate "
-    "and links as H100_SXM_NODE",
-)
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """One step's predicted seconds, by part, for the busiest GPU.
-
-    ``parts``: "compute", "tp", "pp" (sends), "bubble", "dp" (the exposed part of data
-    parallelism's collectives), and "copies" (DDP's bucket copies) where the hardware has a
-    copy rate. ``hidden`` is what overlap hid. ``tokens`` is the tokens one
-    step trains over all GPUs.
-    """
-
-    parts: dict[str, float]
-    hidden: float
-    tokens: int
-    gpus: int
-    flops: float = 0.0
-    links: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def total(self) -> float:
-        """Seconds per step: the sum of the parts."""
-        return sum(self.parts.values())
-
-    @property
-    def tokens_per_gpu_per_s(self) -> float:
-        """Tokens per second per GPU (torchtitan's TPS/GPU)."""
-        return self.tokens / self.total / self.gpus
-
-
-def compute_flops(model: Transformer, tokens: int, recompute: str = "none") -> float:
-    """FLOPs of forward and backward over ``tokens`` for the whole model (all GPUs together).
-
-    6·N·tokens for the matrix products plus 12·L·s·h·tokens for attention's two s x s products;
-    full recomputation runs the layers' forward again (2·(N - V·h) + 4·L·s·h per token; the
-    output layer is not recomputed), selective the attention products' forward (4·L·s·h per
-    token). With full recomputation and layers of 12h² parameters this is Narayanan et al.'s
-    (2021, appendix) 96·B·s·L·h²(1 + s/(6h) + V/(16·L·h)) for B·s tokens.
-    """
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
-    attention = 4 * model.layers * model.seq_len * model.hidden  # forward, per token
-    per_token = 6 * model.total + 3 * attention
-    if recompute == "full":
-        per_token += 2 * (model.total - model.embedding) + attention
-    elif recompute == "selective":
-        per_token += attention
-    return float(per_token) * tokens
-
-
-def _link(hw: Hardware, group_span: int) -> Link:
-    return hw.intra if group_span <= hw.gpus_per_node else hw.inter
+    Forward: 2 all-reduces, or 2 all-gathers and 2 reduce-scatters with sequence parallelism;
+    full recomputation runs those again; the rest of the plan's calls are backward. ``layers``:
+    the layers per stage the planner counted calls for."""
+    forward = backward = again = 0.0
+    for c in plan.collectives:
+        if c.group != "tp":
+            continue
+        per = c.calls / (layers * plan.micro_batches)
+        call = link.collective(c.sent_bytes / c.calls, 1, c.name, c.size)
+        rerun = 2 if recompute == "full" else 0
+        forward += 2 * call
+        again += rerun * call
+        backward += (per - 2 - rerun) * call
+    return forward, backward, again
 
 
 def step_time(
@@ -215,87 +93,151 @@ def step_time(
     *,
     recompute: str = "none",
     chunks: int = 1,
-    bucket_bytes: int = DDP_BUCKET_BYTES,
-    bucket_view: bool = False,
+    software: Software = TORCH,
+    precision: str | None = None,
 ) -> StepTime:
     """The predicted time of one optimizer step of ``plan`` on ``hardware``, split into parts.
 
     Args:
-        plan: a layout from :func:`~mgtutor.plan.planner.plan`.
+        plan: a layout from :func:`~mgtutor.plan.planner.plan` (its ``micro_batches``, and its
+            ``schedule`` where the planner has one).
         model: the shape the plan was made for.
         hardware: the machine.
-        recompute: as given to :func:`~mgtutor.plan.planner.plan` ("none", "selective",
-            "full"); it adds compute here.
-        chunks: model chunks per GPU of an interleaved pipeline schedule (v); 1 for GPipe/1F1B.
-        bucket_bytes: DDP's bucket size; the last bucket's all-reduce cannot hide.
-        bucket_view: True where DDP's gradients stay views into its buckets
-            (``gradient_as_bucket_view=True`` and ``zero_grad(set_to_none=False)``): nothing is
-            copied.
+        recompute: as given to the planner ("none", "selective", "full").
+        chunks: model chunks per GPU (v > 1: the interleaved schedule).
+        software: what the code overlaps (:class:`~mgtutor.plan.machine.Software`).
+        precision: the products' key in the device's ceilings ("fp8"), if not the plan's.
 
     Returns:
-        The :class:`StepTime`.
-
-    Raises:
-        KeyError: the hardware has no FLOP/s for the plan's precision.
+        The :class:`~mgtutor.plan.machine.StepTime` of the stage that finishes last.
 
     Example:
-        >>> p = plan(Transformer(32, 4096, 32, 4096), 8, 80 * 10**9, zero=1)
-        >>> step_time(p, Transformer(32, 4096, 32, 4096), H100_SXM_NODE).tokens_per_gpu_per_s
+        >>> from mgtutor.plan.machine import H100_SXM_NODE
+        >>> model = Transformer(32, 4096, 32, 4096)
+        >>> step_time(plan(model, 8, 80 * 10**9, zero=1), model, H100_SXM_NODE).total
     """
-    gpus = plan.dp * plan.tp * plan.pp
-    tokens = model.micro_batch * model.seq_len * plan.micro_batches * plan.dp
-    flops = compute_flops(model, tokens, recompute) / gpus
-    compute = flops / hardware.flops[plan.precision]
+    p, t, d, m = plan.pp, plan.tp, plan.dp, plan.micro_batches
+    gpus, node, overlap = p * t * d, hardware.gpus_per_node, hardware.overlap
+    tokens = model.micro_batch * model.seq_len * m * d
+    spans = {"tp": t, "dp": t * d, "pp": gpus}
     links = {
-        "tp": _link(hardware, plan.tp),
-        "dp": _link(hardware, plan.tp * plan.dp),
-        "pp": _link(hardware, gpus),
+        "tp": hardware.group_link(t, t),
+        "dp": hardware.group_link(t * d, max(1, min(d, node // t))),
+        "pp": hardware.group_link(gpus, 1),
     }
-    tp = pp = 0.0
-    dp_overlappable = dp_exposed = last = 0.0
-    for c in plan.collectives:
-        if c.group == "tp":
-            tp += links["tp"].collective(c.sent_bytes, c.calls)
-        elif c.group == "pp":
-            # Each micro-batch's activation goes forward and its gradient comes back across a
-            # stage boundary, once per model chunk; both transfers are on the critical path.
-            transfers = 2 * plan.micro_batches * chunks
-            pp += links["pp"].send(transfers * c.buffer_bytes, transfers)
-        elif plan.zero in (1, 2) and c.name == "all_gather":
-            dp_exposed += links["dp"].collective(c.sent_bytes, c.calls)
+    sp = any(c.group == "tp" and c.name != "all_reduce" for c in plan.collectives)
+    lt = layer_times(
+        model, hardware.device, precision or plan.precision, t, sequence_parallel=sp,
+        recompute=recompute, attention=software.attention, dropout=software.dropout,
+    )  # fmt: skip
+    lf, lb, loss_f, loss_b = logits_times(model, hardware.device, precision or plan.precision, t)
+    tp_f, tp_b, tp_rc = _tp_seconds(plan, links["tp"], math.ceil(model.layers / p), recompute)
+    window_b = lt.wgrad_first + (lt.dgrad_first if sp else 0.0)
+    window_b = overlap * window_b if software.tp_overlap in ("backward", "all") else 0.0
+    window_f = overlap * lt.forward_matmul if software.tp_overlap == "all" else 0.0
+    window_rc = overlap * lt.recompute_matmul if software.tp_overlap == "all" else 0.0
+    exposed = {"f": max(0.0, tp_f - window_f), "b": max(0.0, tp_b - window_b)}
+    exposed["rc"] = max(0.0, tp_rc - window_rc)
+    tp_hidden = tp_f + tp_b + tp_rc - sum(exposed.values())
+    layer_f = lt.forward + exposed["f"]
+    layer_b = lt.matmul + lt.memory - lt.forward + lt.recompute_matmul + lt.recompute_memory
+    layer_b += exposed["b"] + exposed["rc"]
+    layers = _split(model.layers, p)
+    forward = [n * layer_f + (lf + loss_f if s == p - 1 else 0.0) for s, n in enumerate(layers)]
+    backward = [n * layer_b + (lb + loss_b if s == p - 1 else 0.0) for s, n in enumerate(layers)]
+
+    # Data parallelism: stalls inside each micro-batch (ZeRO-2/3 without a pipeline), and what
+    # follows the last backward (the gradient reduction's exposed part, the parameter gather).
+    dp = [c for c in plan.collectives if c.group == "dp"]
+    seconds = {c.name: links["dp"].collective(c.sent_bytes, c.calls, c.name, c.size) for c in dp}
+    buffers = {c.name: c.buffer_bytes for c in dp}
+    fsdp_in_pipeline = p > 1 and plan.zero >= 2
+    stall_f, stall_b = [0.0] * p, [0.0] * p
+    tail_fixed, dp_hidden = 0.0, 0.0
+    reduce = seconds.get("all_reduce", seconds.get("reduce_scatter", 0.0))
+    reduce_name = "all_reduce" if "all_reduce" in seconds else "reduce_scatter"
+    if plan.zero == 3 and not fsdp_in_pipeline and dp:
+        late = (layers[0] - 1) / max(layers[0], 1)  # all but the first layer's gather can hide
+        gather, scatter = seconds["all_gather"] / (2 * m), seconds["reduce_scatter"] / m
+        stall_f = [gather * (1 - late) + max(0.0, (gather - overlap * forward[0]) * late)]
+        hideable = gather + scatter - overlap * backward[0]
+        stall_b = [scatter * (1 - late) + max(0.0, hideable * late)]
+        dp_hidden = m * (2 * gather + scatter - stall_f[0] - stall_b[0])
+        reduce = 0.0
+    elif plan.zero == 2 and p == 1 and dp:
+        per = reduce / m
+        last = per * min(1.0, software.bucket_bytes / max(buffers[reduce_name], 1))
+        stall_b = [max(per - overlap * backward[0], last) if software.dp_overlap else per]
+        dp_hidden = m * (per - stall_b[0])
+        reduce = 0.0
+    if plan.zero in (1, 2) or fsdp_in_pipeline:
+        gather = seconds.get("all_gather", 0.0)
+        if fsdp_in_pipeline:  # once, before the first forward, behind it but the first layer's
+            late = (layers[0] - 1) / max(layers[0], 1)
+            start = gather * (1 - late) + max(0.0, (gather - overlap * forward[0]) * late)
+            dp_hidden += gather - start
+            tail_fixed += start
         else:
-            seconds = links["dp"].collective(c.sent_bytes, c.calls)
-            dp_overlappable += seconds
-            if plan.zero == 3:  # the first unit's gather and the last one's scatter wait
-                last += seconds / (c.calls * max(1, math.ceil(model.layers / plan.pp)))
-            else:  # DDP's (and ZeRO-1/2's) last bucket is reduced after backward ends
-                last = max(last, seconds * min(1.0, bucket_bytes / max(c.buffer_bytes, 1)))
-    bubble = (plan.pp - 1) / (chunks * plan.micro_batches + plan.pp - 1)
-    busy = compute + tp + pp
-    bubble_s = busy * bubble / (1 - bubble)
-    # What DP traffic can hide behind: backward (2/3 of a step's compute) for gradients, the
-    # whole forward and backward for ZeRO-3's prefetched gathers; scaled by the hardware.
-    window = hardware.overlap * compute * (1.0 if plan.zero == 3 else 2 / 3)
-    exposed = max(dp_overlappable - window, min(last, dp_overlappable)) if dp_overlappable else 0.0
+            tail_fixed += gather
+    forward = [f + s for f, s in zip(forward, stall_f)]
+    backward = [b + s for b, s in zip(backward, stall_b)]
+    tails = []
+    buffer = max(buffers.get(reduce_name, 1), 1)
+    last = reduce * min(1.0, software.bucket_bytes / buffer)
+    after_first = 1 - min(1.0, software.first_bucket_bytes / buffer)  # of the last backward
+    for s in range(p):
+        hide = overlap * backward[s] * after_first if software.dp_overlap else 0.0
+        tails.append(tail_fixed + (max(reduce - hide, last) if reduce else 0.0))
+    if reduce:
+        dp_hidden += reduce - (tails[0] - tail_fixed)
+
+    # The pipeline's sends: b·s·h (/t with scatter/gather or sequence parallelism) per GPU.
+    send = 0.0
+    if p > 1:
+        piece = model.micro_batch * model.seq_len * model.hidden * ELEMENT_BYTES[plan.precision]
+        if t > 1 and (software.scatter_gather or sp):
+            send = links["pp"].send(piece / t)
+            if not sp:  # the pieces are all-gathered on arrival
+                send += links["tp"].collective((t - 1) / t * piece, 1, "all_gather", t)
+        else:
+            send = links["pp"].send(piece)
+    schedule = "interleaved" if chunks > 1 else getattr(plan, "schedule", "1F1B")
+    ends = simulate(forward, backward, m, send, chunks=chunks, schedule=schedule)
+    still = simulate(forward, backward, m, 0.0, chunks=chunks, schedule=schedule)
+    r = max(range(p), key=lambda s: ends[s] + tails[s])
+
     parts = {
-        "compute": compute,
-        "tp": tp,
-        "pp": pp,
-        "bubble": bubble_s,
-        "dp": exposed + dp_exposed,
+        "matmul": m * layers[r] * (lt.matmul + lt.recompute_matmul) + m * (lf + lb) * (r == p - 1),
+        "memory-bound": m * layers[r] * (lt.memory + lt.recompute_memory)
+        + m * (loss_f + loss_b) * (r == p - 1),
+        "tp": m * layers[r] * sum(exposed.values()),
+        "pp": ends[r] - still[r],
+        "bubble": max(0.0, still[r] - m * (forward[r] + backward[r])),
+        "dp": m * (stall_f[r] + stall_b[r]) + tails[r],
     }
-    if hardware.copy and plan.dp > 1 and plan.zero == 0 and not bucket_view:
+    if hardware.copy and d > 1 and plan.zero <= 1 and not software.bucket_view:
         parts["copies"] = 2 * plan.memory["gradients"] / hardware.copy  # into buckets and back
-    names = {g: ("intra" if link is hardware.intra else "inter") for g, link in links.items()}
-    return StepTime(parts, dp_overlappable - exposed, tokens, gpus, flops, names)
+    if software.optimizer and hardware.device.memory_bandwidth:
+        b_param, b_grad, b_opt = BYTES_PER_PARAMETER[plan.precision]
+        shard = plan.memory["optimizer_state"] / b_opt
+        moved = shard * (2 * b_opt + b_grad + 2 * b_param)
+        parts["optimizer"] = moved / hardware.device.memory_bandwidth
+    names = {g: "intra" if spans[g] <= node else "inter" for g in spans}
+    flops = compute_flops(model, tokens, recompute) / gpus
+    hidden = m * layers[r] * tp_hidden + dp_hidden
+    window = overlap * backward[r] * after_first if software.dp_overlap else 0.0
+    details = {"dp_reduce": reduce, "dp_window": window, "dp_last_bucket": last}
+    return StepTime(parts, hidden, tokens, gpus, flops, names, stage=r, details=details)
 
 
-def time_key(model: Transformer, hardware: Hardware, recompute: str = "none") -> Any:
-    """A sort key for :func:`~mgtutor.plan.planner.layouts`: fastest first (most tokens/s
-    per GPU), then less memory: ``layouts(model, gpus, memory, key=time_key(model, hw))``."""
+def time_key(
+    model: Transformer, hardware: Hardware, recompute: str = "none", **options: Any
+) -> Any:
+    """A sort key for :func:`~mgtutor.plan.planner.layouts`: most tokens/s per GPU first, then
+    less memory. ``options`` go to :func:`step_time`."""
 
     def key(p: Plan) -> tuple[float, int]:
-        t = step_time(p, model, hardware, recompute=recompute)
+        t = step_time(p, model, hardware, recompute=recompute, **options)
         return -t.tokens_per_gpu_per_s, p.total
 
     return key
@@ -306,22 +248,38 @@ def ranked(
     gpus: int,
     hardware: Hardware,
     *,
+    global_batch: int,
     recompute: str = "none",
+    zero: tuple[int, ...] = (0, 1, 2, 3),
+    chunks: int = 1,
+    software: Software = TORCH,
     **options: Any,
 ) -> list[tuple[Plan, StepTime]]:
-    """Every layout :func:`~mgtutor.plan.planner.layouts` keeps (it runs and fits
-    ``hardware.memory``), fastest first by predicted step time (most tokens/s per GPU).
+    """Every layout of ``gpus`` GPUs that torch runs and that fits ``hardware.memory``, each
+    training ``global_batch`` sequences a step, fastest first (most tokens/s per GPU).
 
-    Args:
-        model, gpus: as :func:`~mgtutor.plan.planner.layouts`.
-        hardware: the machine; its memory per GPU decides what fits.
-        recompute: passed to the planner and to :func:`step_time`.
-        options: passed to :func:`~mgtutor.plan.planner.layouts` (zero, micro_batches, ...).
-
-    Returns:
-        (plan, step time) pairs, highest tokens per second per GPU first.
+    A layout runs ``global_batch / (dp x micro_batch)`` micro-batches; one whose dp does not
+    divide the batch is left out. With ``chunks`` > 1 (interleaved, m a multiple of p) the
+    first stage holds 1 + (p-1)/(p·m) times 1F1B's activations (Korthikanti et al. 2022,
+    section 4.2.3, as issue 42 quotes it). ``options`` go to the planner.
     """
-
-    key = time_key(model, hardware, recompute)
-    plans = layouts(model, gpus, hardware.memory, recompute=recompute, key=key, **options)
-    return [(p, step_time(p, model, hardware, recompute=recompute)) for p in plans]
+    found = []
+    for tp, pp, stage in candidate_layouts(model, gpus, zero):
+        dp = gpus // (tp * pp)
+        m, rest = divmod(global_batch, dp * model.micro_batch)
+        if rest or not m or (chunks > 1 and pp > 1 and m % pp):
+            continue
+        try:
+            p = plan(model, gpus, hardware.memory, tp=tp, pp=pp, zero=stage, micro_batches=m,
+                     recompute=recompute, **options)  # fmt: skip
+        except ValueError:  # torch does not run it: planner.refused_layouts says why
+            continue
+        v = chunks if pp > 1 else 1
+        if v > 1:
+            memory = dict(p.memory)
+            memory["activations"] = round(memory["activations"] * (1 + (pp - 1) / (pp * m)))
+            p = replace(p, memory=memory)
+        if p.fits:
+            t = step_time(p, model, hardware, recompute=recompute, chunks=v, software=software)
+            found.append((p, t))
+    return sorted(found, key=lambda pt: (-pt[1].tokens_per_gpu_per_s, pt[0].total))

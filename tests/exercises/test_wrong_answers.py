@@ -45,6 +45,7 @@ TABLE = [
     Row("exact_accuracy", (w.accuracy_with_repeats,), ("padded repeats",)),
     Row("exact_accuracy", (w.accuracy_of_this_rank,), ("this rank's own figure",)),
     Row("exact_accuracy", (w.accuracy_mean_of_means,), ("mean of the ranks' accuracies",)),
+    Row("exact_accuracy", (w.accuracy_drops_the_last_ranks_last,), ("count each index",)),
     # notebook 04
     Row(
         "global_batch_stats",

@@ -1,0 +1,77 @@
+"""published_runs: the rows as their sources configure them, and the model's prediction of each."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+import pytest
+
+from mgtutor.plan import published_runs as pub
+from mgtutor.plan.compute_time import flops_per_token
+from mgtutor.plan.machine import MEGATRON_2021
+
+
+def test_table_1_rows_are_the_reproduction_script_s_layouts():
+    for r in pub.NARAYANAN_TABLE_1:
+        dp = r.gpus // (r.tp * r.pp)
+        assert dp * r.tp * r.pp == r.gpus
+        assert r.micro_batches * dp * r.model.micro_batch in (512, 1024, 1536, 1792, 2304, 2160,
+                                                               2520, 3072)  # fmt: skip
+        assert r.chunks == 1 or r.micro_batches % r.pp == 0  # Megatron-LM's interleaving rule
+    chunks = {r.name: r.chunks for r in pub.NARAYANAN_TABLE_1}
+    assert chunks == {"1.7B": 1, "3.6B": 1, "7.5B": 1, "18B": 1, "39B": 1, "76B": 3, "145B": 2,
+                      "310B": 2, "530B": 3, "1T": 1}  # fmt: skip
+    # Pipelines ran Megatron-LM's local DDP (reduced after the backward); pp=1 rows torch DDP.
+    assert {r.software.dp_overlap for r in pub.NARAYANAN_TABLE_1 if r.pp > 1} == {False}
+    assert {r.software.dp_overlap for r in pub.NARAYANAN_TABLE_1 if r.pp == 1} == {True}
+
+
+def test_the_published_throughput_is_eq_3_at_the_stated_rate():
+    # 1T: 163 TFLOP/s per GPU (rounded) over 3072 GPUs, Table 1 aggregates 502.0 PFLOP/s.
+    one_t = pub.NARAYANAN_TABLE_1[-1]
+    assert one_t.published * one_t.gpus / 1000 == pytest.approx(502.0, abs=1.6)
+    tokens = 3072 * 2048
+    step = flops_per_token(one_t.model, "megatron") * tokens / (163e12 * 3072)
+    assert step == pytest.approx(102.6, abs=0.5)  # seconds per step, as published
+
+
+def test_torchtitan_405b_runs_eight_micro_batches_in_both_schedules():
+    one, inter = pub.TORCHTITAN_RUNS[2:]
+    assert one.micro_batches == inter.micro_batches == 8 == one.pp
+    assert inter.chunks == 2 and one.model.micro_batch * 8 == 32  # local batch 32
+    ratio = pub.predict(inter)[0] / pub.predict(one)[0]
+    assert ratio == pytest.approx(1.28, abs=0.05)
+    m16 = pub.predict(inter, micro_batches=16, model=replace(inter.model, micro_batch=2))[0]
+    assert m16 / pub.predict(one)[0] > 1.45  # the misread default: m = 16
+
+
+def test_predictions_and_their_errors():
+    median, errors = pub.median_abs_error(pub.NARAYANAN_TABLE_1)
+    assert len(errors) == 10 and median == statistics.median(abs(e) for e in errors)
+    value, t = pub.predict(pub.NARAYANAN_TABLE_1[0])
+    assert value == pytest.approx(
+        flops_per_token(pub.NARAYANAN_TABLE_1[0].model, "megatron") * t.tokens_per_gpu_per_s / 1e12
+    )
+    tokens, _ = pub.predict(pub.TORCHTITAN_RUNS[0])
+    assert 5000 < tokens < 10000  # tokens/s per GPU, the unit torchtitan reports
+
+
+def test_a_counterfactual_run_changes_the_prediction():
+    r = pub.NARAYANAN_TABLE_1[5]  # 76B, interleaved with 3 chunks
+    assert pub.predict(r, chunks=1)[0] < pub.predict(r)[0]
+    late = pub.predict(r)[0]
+    early = pub.predict(r, software=replace(MEGATRON_2021, dp_overlap=True))[0]
+    assert early > late
+
+
+def test_llama_is_gated_where_the_planner_allows():
+    model = pub.llama(layers=2, hidden=64, heads=4, seq_len=8, ffn=128, vocab=10, params=80_000)
+    assert getattr(model, "style", None) == "llama"
+
+
+def test_a_refused_layout_raises_instead_of_being_planned_otherwise():
+    """No fallback: a run the planner refuses (here a ZeRO stage that does not exist) raises,
+    where a silent re-plan as ZeRO-1 would report another layout's time under the run's name."""
+    with pytest.raises(ValueError, match="ZeRO stage"):
+        pub.predict(pub.TORCHTITAN_RUNS[2], zero=4)
