@@ -44,9 +44,10 @@ from typing import Any
 from mgtutor.measure.emulated import emulated_device
 from mgtutor.measure.step_calibrate import (
     CHECK_MODEL,
+    at_rate,
     calibrate,
     needs_gloo_ranks,
-    scaled,
+    step_clock,
     with_latencies,
 )
 from mgtutor.measure.step_windows import WINDOW, _measure_rank, window_crowding
@@ -373,7 +374,7 @@ def check(
                 got[name].setdefault("crowding", []).append(crowding)
                 for key in per_rank[0]:
                     if key not in ("seconds", *WINDOW) and per_rank[0][key]:
-                        pick = min if key == "rate" else max
+                        pick = min if key.startswith("rate_") else max
                         got[name].setdefault(key, []).append(pick(r[key][i] for r in per_rank))
     measured = []
     for name in configs:
@@ -381,17 +382,11 @@ def check(
         seconds = got[name]["seconds"]
         if c.emulated and got[name].get("wire"):
             now = emulated_hardware(c, statistics.fmean(got[name]["wire"]))
-        elif not c.emulated:
-            now = hardware
-            rate = statistics.median(got[name]["rate"])
-            if c.ranks == 1:  # CPU seconds, at the CPU-second rate one rank alone computes
-                # now: the calibration timed both ranks at once (caches, memory bandwidth shared)
-                seconds = got[name]["cpu"]
-                now = scaled(now, rate / extra["reference"])
-            else:  # wall-clock: the calibration at the share of a core the ranks got
-                now = scaled(now, rate / extra["reference"], rate / extra["reference_wall"])
-                small = {k: statistics.fmean(v) for k, v in got[name].items() if k in _SMALL}
-                now = with_latencies(now, c.model, small) if small else now
+        elif not c.emulated:  # steps and rates on step_clock's clock
+            rate = statistics.median(got[name][f"rate_{step_clock(c.ranks)}"])
+            now = at_rate(hardware, extra, c.ranks, rate)
+            small = {k: statistics.fmean(v) for k, v in got[name].items() if k in _SMALL}
+            now = with_latencies(now, c.model, small) if small else now
         deleted = {term: without(c, now, term) for term in c.deletions}
         crowding = statistics.median(got[name]["crowding"])
         calibration = extra.get("crowding", math.inf)
