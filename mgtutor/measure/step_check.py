@@ -272,13 +272,13 @@ class Measured:
 
     @property
     def asserted(self) -> bool:
-        """Whether it is held to :attr:`bound`: other work used at most :data:`CROWDED` of a
-        core beside the ranks in its median window (and, real, during the calibration)."""
+        """Whether it is held to :attr:`limit`: its median window's crowding
+        (:func:`window_crowding`) at most :data:`CROWDED` and, real, the calibration's too."""
         return not self.why_not
 
     @property
     def why_not(self) -> str:
-        """Why it is not asserted ("" where it is)."""
+        """Why it is not asserted ("" where it is): the one place :data:`CROWDED` is applied."""
         if not self.crowding <= CROWDED and self.config.emulated:
             return (f"crowding {self.crowding:.2f} over {CROWDED}: its threads' wait for a core "
                     "as a share of the time, or other work's cores where the kernel does not say")

@@ -2,9 +2,10 @@
 
 :func:`_measure_rank` runs on each rank of :func:`mgtutor.measure.step_check.check`: a
 configuration's steps, with the re-timings that set each step's prediction, and over each window
-(those timings, then the step) the CPU seconds that say whether other work crowded the ranks;
-:func:`window_crowding` turns one window of every rank into one figure (see
-:data:`mgtutor.measure.step_check.CROWDED`).
+(those timings, then the step) the CPU seconds and run-queue waits that say whether other work
+crowded the ranks; :func:`window_crowding` turns one window of every rank into one figure, which
+:attr:`mgtutor.measure.step_check.Measured.why_not` compares with
+:data:`~mgtutor.measure.step_check.CROWDED`.
 """
 
 from __future__ import annotations
@@ -81,9 +82,11 @@ def window_crowding(per_rank: list[dict[str, list]], i: int, emulated: bool = Fa
     work's CPU in cores (the busy seconds of the longer window less every rank's own, over its
     wall-clock seconds), or, ``emulated``, the seconds the ranks' threads waited for a core over
     the wall-clock seconds (:func:`~mgtutor.measure.other_work.waited_seconds`; other work's
-    CPU where the kernel does not say). See :data:`CROWDED`. Not clipped at 0: /proc/stat counts
-    in 10 ms ticks, process_time in nanoseconds, so a quiet window reads a little either side of
-    0, and a median of clipped values would call a quiet machine busy."""
+    CPU where the kernel does not say). Not the calibration's figure
+    (:class:`~mgtutor.measure.other_work.OtherWork`, which counts this process tree's CPU as its
+    own from outside): the ranks count their own here, per window. Not clipped at 0: /proc/stat
+    counts in 10 ms ticks, process_time in nanoseconds, so a quiet window reads a little either
+    side of 0, and a median of clipped values would call a quiet machine busy."""
     wall = max(r["wall"][i] for r in per_rank)
     waited = sum(r["waited"][i] for r in per_rank)
     if emulated and not math.isnan(waited):
