@@ -154,6 +154,9 @@ def test_real_configurations_hold_within_a_factor_and_emulated_within_the_bound(
     inside, outside = (1 - 0.99 * b, 1 + 0.99 * b), (0.99 - b, 1.01 + b)
     assert [e.within(s) for s in (*inside, *outside)] == [True, True, False, False]
     assert e.holds_without("dp")
+    # Each is printed on its bound's scale: a ratio for the factor, a signed error for BOUND.
+    assert (m.shown(0.88), m.limit) == ("x0.88", f"within x{f:g}")
+    assert (e.shown(0.88), e.limit) == ("-12%", f"within {b:.0%}")
 
 SPIN = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass\n"
 
