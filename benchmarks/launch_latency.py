@@ -47,10 +47,8 @@ Run it from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import random
 import resource
 import socket
@@ -69,6 +67,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from _machine import machine  # noqa: E402
 from _spawn_worker import join_and_barrier  # noqa: E402
 
 import mgtutor  # noqa: E402
@@ -271,11 +270,7 @@ def main() -> None:
     summary = summarize(cases, times, cpu)
     result = {
         "benchmark": "launch_latency",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
+        **machine(),
         "load_average": os.getloadavg(),
         "world_size": WORLD_SIZE,
         "repeats": args.repeats,

@@ -66,6 +66,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
+from _machine import machine  # noqa: E402
 
 import mgtutor  # noqa: E402
 
@@ -291,6 +292,8 @@ def main() -> None:
     args.out.write_text(
         json.dumps(
             {
+                "benchmark": "pool_roundtrip",
+                **machine(),
                 "times": times,
                 "starts": {k: str(v) for k, v in starts.items()},
                 "ratios": ratios,

@@ -21,13 +21,12 @@ Run it alone on an otherwise idle machine: ``python benchmarks/step_check_spread
 about 5 minutes on 2 cores, twice that with ``--scale``). Runs where other work crowded the ranks
 or the calibration (``Measured.asserted`` false) are counted apart: the check does not assert them.
 The JSON file (``--out``) keeps every run: each configuration's prediction, measured steps,
-error, crowding, and the machine and settings (torch, Python, CPUs, date, commit, passes, window).
+error, crowding, the settings (passes, window) and ``_machine.machine()``'s record.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -39,19 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-
-def _commit() -> str | None:
-    """The checkout's commit (and "+changes" if it has uncommitted ones), or None outside git."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "mgtutor",
-                                "benchmarks"], capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head + ("+changes" if dirty else "")
+from _machine import machine  # noqa: E402
 
 
 def _row(m: object) -> dict:
@@ -107,10 +94,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
-        "torch": torch.__version__, "python": platform.python_version(),
-        "cpus": os.cpu_count(), "machine": platform.platform(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(), "passes": args.passes, "window": args.window, "rounds": 2,
+        **machine(), "passes": args.passes, "window": args.window, "rounds": 2,
         "scale": args.scale, "bound": bound, "runs": [],
     }  # fmt: skip
     start = time.perf_counter()

@@ -45,10 +45,7 @@ Run it from the repository root::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -62,6 +59,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # find mgtutor without installing it
 
 import torch  # noqa: E402
+from _machine import machine  # noqa: E402
 from torch import nn  # noqa: E402
 
 import mgtutor  # noqa: E402
@@ -296,11 +294,7 @@ def main() -> None:
     }
     result = {
         "benchmark": "timing_overhead",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch_version": torch.__version__,
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_count": os.cpu_count(),
+        **machine(),
         "torch_threads": torch.get_num_threads(),
         "repeats": args.repeats,
         "steps_per_block": args.steps,

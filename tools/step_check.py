@@ -1,15 +1,15 @@
 """Check the step-time model against this machine's 2 CPU ranks, from a shell.
 
 ``python tools/step_check.py [rounds] [configuration ...]``: calibrate, then predict and measure
-each configuration of ``mgtutor.measure.step_check.CONFIGS`` (all by default, or those whose
-names contain one of the given words), and print each error with its terms deleted in turn: what
-notebook 18's check cells and tests/measure/test_step_check.py run. A configuration is held to
-its bound only where other work left the ranks alone (``Measured.asserted``: at most
+each configuration of ``mgtutor.measure.step_check.CONFIGS`` (all by default, or those whose names
+contain one of the given words), and print each prediction against the measured median on its
+bound's scale (``Measured.shown``: emulated, the error; real, the ratio), with its terms deleted in
+turn: what notebook 18's check cells and tests/measure/test_step_check.py run. A configuration is
+held to its bound only where other work left the ranks alone (``Measured.asserted``: at most
 ``step_check.CROWDED`` of a core beside real ranks, of the time waiting for a core for emulated
-ones, counted by the ranks); the others print NOT
-CHECKED and why. Exits 1 where an asserted configuration missed its bound or one of its deleted
-terms stayed within it, 2 where no configuration of 2 ranks was asserted (nothing checked beyond
-the calibration).
+ones, counted by the ranks); the others print NOT CHECKED and why. Exits 1 where an asserted
+configuration missed its bound or one of its deleted terms stayed within it, 2 where no
+configuration of 2 ranks was asserted (nothing checked beyond the calibration).
 """
 
 from __future__ import annotations
@@ -34,12 +34,12 @@ def main() -> None:
         measured = step_check.check(pool, hardware, extra, rounds=rounds, configs=names)
     failed = []
     for m in measured:
-        deleted = ", ".join(f"without {k} {m.error_without(k):+.0%}" for k in m.deleted)
+        deleted = "".join(f", without {k} {m.shown(m.deleted[k])}" for k in m.deleted)
         verdict = "asserted" if m.asserted else f"NOT CHECKED: {m.why_not}"
         print(
             f"{m.name:42} predicted {m.predicted.total * 1e3:5.0f} ms, measured median "
             f"{m.median * 1e3:5.0f} ms ({min(m.seconds) * 1e3:.0f}-{max(m.seconds) * 1e3:.0f}), "
-            f"error {m.error:+.0%} (held to {m.limit}) {deleted}; "
+            f"{m.shown(m.predicted.total)}, held to {m.limit}{deleted}; "
             + (f"waited for a core {m.crowding:.0%}" if m.config.emulated
                else f"other work {m.crowding:.2f} cores") + f"; {verdict}"
         )

@@ -113,6 +113,10 @@ def _own_seconds() -> float:
 class OtherWork:
     """The cores other processes held while the ``with`` blocks ran (summed over every block).
 
+    The step check's calibration figure (:func:`~mgtutor.measure.step_check.calibrate_beside`);
+    its steps' windows are counted by the ranks themselves instead
+    (:func:`~mgtutor.measure.step_windows.window_crowding`), unclipped, one figure per window.
+
     >>> other = OtherWork()
     >>> with other:
     ...     pass  # the measurement

@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 from mgtutor.measure.cpu_timing import (
     elementwise_timers,
@@ -38,6 +38,8 @@ from mgtutor.plan.planner import Transformer
 
 __all__ = [
     "CHECK_MODEL",
+    "CLOCKS",
+    "at_rate",
     "calibrate",
     "elementwise_timers",
     "gemm_shapes",
@@ -46,6 +48,7 @@ __all__ = [
     "scaled",
     "seconds_per_call",
     "small_calls",
+    "step_clock",
     "with_latencies",
 ]
 
@@ -88,6 +91,41 @@ def scaled(hardware: Hardware, factor: float, links: float = 1.0) -> Hardware:
     )
     copy = hardware.copy * factor if hardware.copy else None
     return replace(hardware, device=device, intra=link, inter=link, copy=copy)
+
+
+#: Each clock a real configuration's step and its re-timed rate are read on: its timer, and the
+#: key of :func:`calibrate`'s reference rate on the same clock.
+CLOCKS: dict[str, tuple[Any, str]] = {
+    "cpu": (time.process_time, "reference"),
+    "wall": (time.perf_counter, "reference_wall"),
+}
+
+
+def step_clock(ranks: int) -> Literal["cpu", "wall"]:
+    """The clock (a key of :data:`CLOCKS`) on which a real configuration of ``ranks`` ranks times
+    its steps and the rate before each: one rank alone, CPU seconds, as the calibration times
+    products and operations, at the rate one rank alone computes (the calibration timed both ranks
+    at once, sharing caches and memory bandwidth); two ranks, wall-clock seconds, as their
+    collectives wait for each other, at the share of a core the ranks got."""
+    return "cpu" if ranks == 1 else "wall"
+
+
+def at_rate(hardware: Hardware, extra: dict[str, Any], ranks: int, rate: float) -> Hardware:
+    """``hardware`` (from :func:`calibrate`, with its ``extra``) at ``rate``, the reference
+    product's FLOP/s that a real configuration of ``ranks`` ranks re-timed on
+    :func:`step_clock`'s clock: compute moves by ``rate`` over the CPU-second reference (the
+    calibration's rates are per CPU second); two ranks' gloo links by ``rate`` over the
+    wall-clock reference (the links were timed in wall-clock seconds at the calibration's load).
+
+    >>> cpu = Device("cpu", gemm_rates={(1, 1, 1): 1.0})
+    >>> cpu = Hardware("cpu", cpu, Link(1.0), Link(1.0), 2, 10)
+    >>> at_rate(cpu, {"reference": 2.0, "reference_wall": 1.0}, 1, 1.0).device.gemm_rates
+    {(1, 1, 1): 0.5}
+    """
+    factor = rate / extra[CLOCKS[step_clock(ranks)][1]]
+    if ranks == 1:
+        return scaled(hardware, factor)
+    return scaled(hardware, rate / extra[CLOCKS["cpu"][1]], factor)
 
 
 def _mean_seconds(fn: Any, calls: int, work: Any = None) -> float:

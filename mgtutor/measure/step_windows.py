@@ -2,9 +2,10 @@
 
 :func:`_measure_rank` runs on each rank of :func:`mgtutor.measure.step_check.check`: a
 configuration's steps, with the re-timings that set each step's prediction, and over each window
-(those timings, then the step) the CPU seconds that say whether other work crowded the ranks;
-:func:`window_crowding` turns one window of every rank into one figure (see
-:data:`mgtutor.measure.step_check.CROWDED`).
+(those timings, then the step) the CPU seconds and run-queue waits that say whether other work
+crowded the ranks; :func:`window_crowding` turns one window of every rank into one figure, which
+:attr:`mgtutor.measure.step_check.Measured.why_not` compares with
+:data:`~mgtutor.measure.step_check.CROWDED`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import math
 import time
 from typing import Any
 
-from mgtutor.measure.step_calibrate import CHECK_MODEL, reference_rate, small_calls
+from mgtutor.measure.step_calibrate import (
+    CHECK_MODEL,
+    CLOCKS,
+    reference_rate,
+    small_calls,
+    step_clock,
+)
 
 __all__ = ["WINDOW", "window_crowding"]
 
@@ -23,11 +30,12 @@ WINDOW = ("busy", "own", "wall", "waited")
 
 def _measure_rank(config: Any, steps: int, window: float, calls: int) -> dict[str, list]:
     """This rank's seconds of ``steps`` steps, each started together; before each, for real
-    configurations, the reference product's FLOP/s (per wall-clock second for 2 ranks, per CPU
-    second for one) and (2 ranks) the small collectives'; and
+    configurations, the reference product's FLOP/s and (2 ranks) the small collectives'; and
     over each window (those timings and the step) the busy CPU seconds of the CPUs the rank
     may run on, its own (all its threads), the wall-clock seconds and the seconds its threads
-    waited for a core (:func:`window_crowding`)."""
+    waited for a core (:func:`window_crowding`). A real configuration's steps and rates are
+    read on :func:`~mgtutor.measure.step_calibrate.step_clock`'s clock, the rates kept under
+    ``"rate_cpu"`` or ``"rate_wall"``; an emulated one's steps in wall-clock seconds."""
     import torch.distributed as dist
 
     from mgtutor.measure import step_builds
@@ -40,26 +48,26 @@ def _measure_rank(config: Any, steps: int, window: float, calls: int) -> dict[st
     step, wire = step_builds.build(config)
     step()  # warm-up: DDP's buckets, the pipeline's shapes, the allocator
     small = small_calls(config.model) if together and not config.emulated else {}
-    out: dict[str, list] = {k: [] for k in ("seconds", "cpu", "rate", "wire", *WINDOW, *small)}
+    clock = "wall" if config.emulated else step_clock(config.ranks)
+    timer = CLOCKS[clock][0]
+    rate = f"rate_{clock}"
+    out: dict[str, list] = {k: [] for k in ("seconds", rate, "wire", *WINDOW, *small)}
     for _ in range(steps):
         if together:
             dist.barrier()
         opened, busy, own = time.perf_counter(), busy_seconds(), time.process_time()
         waited = waited_seconds()
-        if not config.emulated:  # 2 ranks: per wall second; one alone: per CPU second, as
-            # its step is compared (the calibration's "reference" is per CPU second)
-            clock = time.perf_counter if together else time.process_time
-            out["rate"].append(reference_rate(CHECK_MODEL, window, clock))
-            for kind, timer in small.items():
-                out[kind].append(timer(calls))
+        if not config.emulated:
+            out[rate].append(reference_rate(CHECK_MODEL, window, timer))
+            for kind, calls_of in small.items():
+                out[kind].append(calls_of(calls))
         elif wire is not None and config.pp == 1:
             out["wire"].append(meeting_seconds(wire, calls))
         if together:
             dist.barrier()
-        start, cpu = time.perf_counter(), time.process_time()
+        start = timer()
         step()
-        out["seconds"].append(time.perf_counter() - start)
-        out["cpu"].append(time.process_time() - cpu)
+        out["seconds"].append(timer() - start)
         out["busy"].append(busy_seconds() - busy)
         out["own"].append(time.process_time() - own)
         out["wall"].append(time.perf_counter() - opened)
@@ -74,9 +82,11 @@ def window_crowding(per_rank: list[dict[str, list]], i: int, emulated: bool = Fa
     work's CPU in cores (the busy seconds of the longer window less every rank's own, over its
     wall-clock seconds), or, ``emulated``, the seconds the ranks' threads waited for a core over
     the wall-clock seconds (:func:`~mgtutor.measure.other_work.waited_seconds`; other work's
-    CPU where the kernel does not say). See :data:`CROWDED`. Not clipped at 0: /proc/stat counts
-    in 10 ms ticks, process_time in nanoseconds, so a quiet window reads a little either side of
-    0, and a median of clipped values would call a quiet machine busy."""
+    CPU where the kernel does not say). Not the calibration's figure
+    (:class:`~mgtutor.measure.other_work.OtherWork`, which counts this process tree's CPU as its
+    own from outside): the ranks count their own here, per window. Not clipped at 0: /proc/stat
+    counts in 10 ms ticks, process_time in nanoseconds, so a quiet window reads a little either
+    side of 0, and a median of clipped values would call a quiet machine busy."""
     wall = max(r["wall"][i] for r in per_rank)
     waited = sum(r["waited"][i] for r in per_rank)
     if emulated and not math.isnan(waited):

@@ -99,6 +99,22 @@ def test_the_load_factor_scales_every_rate():
     assert fast.intra.bandwidth == fast.inter.p2p_bandwidth == 3.0 and fast.copy == 6.0
 
 
+def test_each_rank_count_is_rescaled_by_the_reference_on_the_clock_it_is_timed_on():
+    # References of 1 FLOP/s per CPU second and 4 per wall-clock second, a re-timed rate of 2.
+    # One rank times its rate per CPU second: its compute doubles (the wall reference would
+    # halve it). Two ranks time theirs per wall second: their links move by 2/4 (the CPU
+    # reference would double them), their compute by 2/1 (calibrated per CPU second).
+    device = Device("cpu", gemm_rates={(1, 2, 3): 10.0})
+    cpu = Hardware("cpu", device, Link(1.0), Link(1.0), 2, 10)
+    extra = {"reference": 1.0, "reference_wall": 4.0}
+    one = step_calibrate.at_rate(cpu, extra, 1, 2.0)
+    two = step_calibrate.at_rate(cpu, extra, 2, 2.0)
+    assert one.device.gemm_rates == two.device.gemm_rates == {(1, 2, 3): 20.0}
+    assert two.intra.bandwidth == 0.5
+    timers = {n: step_calibrate.CLOCKS[step_calibrate.step_clock(n)][0] for n in (1, 2)}
+    assert timers == {1: time.process_time, 2: time.perf_counter}  # what _measure_rank reads
+
+
 def test_the_link_fit_keeps_the_small_messages_latency():
     # 1 ms + bytes / 1 GB/s, 10% noise on the two larger messages: the relative fit keeps the
     # small message within 10%, where a plain least-squares line misses it by 12%.
@@ -138,6 +154,9 @@ def test_real_configurations_hold_within_a_factor_and_emulated_within_the_bound(
     inside, outside = (1 - 0.99 * b, 1 + 0.99 * b), (0.99 - b, 1.01 + b)
     assert [e.within(s) for s in (*inside, *outside)] == [True, True, False, False]
     assert e.holds_without("dp")
+    # Each is printed on its bound's scale: a ratio for the factor, a signed error for BOUND.
+    assert (m.shown(0.88), m.limit) == ("x0.88", f"within x{f:g}")
+    assert (e.shown(0.88), e.limit) == ("-12%", f"within {b:.0%}")
 
 SPIN = "import time\nend = time.process_time() + 1.0\nwhile time.process_time() < end: pass\n"
 
