@@ -29,6 +29,10 @@ Sources of the formulas:
   all-reduces of the layer's activation forward and two backward per layer (notebook 13).
   Sequence parallelism, recomputation, FSDP under a pipeline, what torch refuses, the bubble
   and the ranking rule: :mod:`~mgtutor.plan.plan_rules`.
+* LocalSGD and DiLoCo (``method``): torchft 0.2.0's ``torchft/local_sgd.py``. ``LocalSGD``
+  all-reduces a clone of every parameter after every ``sync_every``-th optimizer step;
+  ``DiLoCo`` all-reduces the pseudo-gradients (anchor - parameters), then its outer optimizer
+  steps. Both send the parameters' dtype: the weights the optimizer updates (float32 here).
 * Float32 gradients with 16-bit parameters ("mixed_fp32_grads"): Megatron-LM's
   ``docs/source/api-guide/dist_optimizer.md`` (commit 50b073c), "float16 param, fp32 grads |
   18 | 6 + 12/d" bytes per parameter: gradients are accumulated and reduced in float32.
@@ -49,12 +53,14 @@ from mgtutor.plan.activation_plan import (
 )
 from mgtutor.plan.plan_rules import (
     MAX_BUBBLE,
+    METHODS,
     RANKING_RULE,
     SCHEDULES,
     bubble,
     candidate_layouts,
     fsdp_in_pipeline,
     in_flight,
+    method_refusal,
     rank_key,
     refusal,
     refused_layouts,
@@ -66,6 +72,8 @@ __all__ = [
     "ACTIVATIONS_SOURCE",
     "BYTES_PER_PARAMETER",
     "MAX_BUBBLE",
+    "METHODS",
+    "SYNCED_BYTES",
     "Collective",
     "Plan",
     "RANKING_RULE",
@@ -89,6 +97,14 @@ BYTES_PER_PARAMETER: dict[str, tuple[int, int, int]] = {
     "mixed_fp32_grads": (2, 4, 12),
 }
 
+#: Bytes per parameter that LocalSGD and DiLoCo all-reduce, and that DiLoCo's outer momentum and
+#: sync buffers hold: the weights the optimizer updates, float32 in every precision here (the
+#: master copy of "mixed", or the parameters themselves). torchft sends ``model.parameters()``
+#: in their dtype; under torch's mixed precision (autocast, FSDP2's ``MixedPrecisionPolicy``)
+#: those are float32. Averaging a 16-bit copy instead would be undone by the next step from the
+#: master weights.
+SYNCED_BYTES: dict[str, int] = {"mixed": 4, "fp32": 4, "mixed_fp32_grads": 4}
+
 
 @dataclass(frozen=True)
 class Collective:
@@ -98,7 +114,9 @@ class Collective:
     output, a reduce-scatter's input), the convention of notebook 12 and of
     :mod:`mgtutor.parallel.tensor_comms`; ``sent_bytes`` is what one GPU sends over all
     ``calls`` on a ring of ``size`` GPUs: 2(N-1)/N of the buffer for an all-reduce, (N-1)/N for
-    an all-gather or a reduce-scatter, the buffer itself for a point-to-point send.
+    an all-gather or a reduce-scatter, the buffer itself for a point-to-point send. A collective
+    run once every ``every`` steps (LocalSGD, DiLoCo) counts ``sent_bytes`` per step on average:
+    what one run sends, divided by ``every``.
     """
 
     name: str  # "all_reduce", "all_gather", "reduce_scatter" or "send"
@@ -107,6 +125,7 @@ class Collective:
     buffer_bytes: int
     calls: int
     sent_bytes: int
+    every: int = 1
 
 
 @dataclass(frozen=True)
@@ -130,6 +149,8 @@ class Plan:
     micro_batches: int = 1
     activations_source: str = ACTIVATIONS_SOURCE
     schedule: str = "1F1B"
+    method: str = "ddp"
+    sync_every: int = 1
 
     @property
     def bubble(self) -> float:
@@ -153,21 +174,23 @@ class Plan:
 
     @property
     def sent_bytes(self) -> int:
-        """Bytes one GPU sends per step, all collectives."""
+        """Bytes one GPU sends per step, all collectives (averaged over ``sync_every`` steps)."""
         return sum(c.sent_bytes for c in self.collectives)
 
     @property
     def layout(self) -> str:
-        """The layout in words, e.g. ``"dp=4 (ZeRO-3) x tp=2 x pp=1"``."""
+        """The layout in words, ``"dp=4 (ZeRO-3) x tp=2 x pp=1"``, ``"dp=8 (DiLoCo, H=8) ..."``."""
+        names = {"localsgd": "LocalSGD", "diloco": "DiLoCo"}
         stage = f" (ZeRO-{self.zero})" if self.zero else ""
+        if self.method != "ddp":
+            stage = f" ({names[self.method]}, H={self.sync_every})"
         return f"dp={self.dp}{stage} x tp={self.tp} x pp={self.pp}"
 
 
-def _ring(name: str, size: int, buffer: int, calls: int, group: str) -> Collective:
+def _ring(name: str, size: int, buffer: int, calls: int, group: str, every: int = 1) -> Collective:
     factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[name]
-    return Collective(
-        name, group, size, buffer, calls, calls * factor * (size - 1) * buffer // size
-    )
+    sent = calls * factor * (size - 1) * buffer // (size * every)
+    return Collective(name, group, size, buffer, calls, sent, every)
 
 
 def plan(
@@ -186,6 +209,8 @@ def plan(
     recompute: str = "none",
     ddp_buckets: bool = False,
     schedule: str = "1F1B",
+    method: str = "ddp",
+    sync_every: int = 1,
 ) -> Plan:
     """Memory per GPU by category and communication per step, for one layout.
 
@@ -208,6 +233,17 @@ def plan(
       Korthikanti et al. section 4.2.3; GPipe: micro_batches).
     * logits (pp = 1 only: with a pipeline the last stage holds them, not the planned first):
       the output layer's b·s·V/t logits in float32, as the loss upcasts them (4 bytes each).
+
+    LocalSGD and DiLoCo (``method``, torchft 0.2.0's ``local_sgd.py``) all-reduce, once every
+    H = ``sync_every`` steps, a buffer the size of the parameters in float32
+    (:data:`SYNCED_BYTES`): the parameters' clones (LocalSGD) or the pseudo-gradients (DiLoCo),
+    counted per step as 1/H of the all-reduce. Memory: those clones are held on the GPU during
+    the sync (communication; DiLoCo holds the pseudo-gradients and a copy of the local
+    parameters, twice that); DiLoCo's outer SGD keeps a momentum buffer on the GPU like its
+    parameters (optimizer_state). DiLoCo's anchor, the parameters at the last sync, is kept on
+    the CPU (torchft's default ``backup_device``), not counted. The sync buffers live after
+    backward has freed the activations; adding them to the rest, the planner's way, bounds
+    the peak from above.
 
     Collectives per step: data parallelism all-reduces the gradients (ZeRO 0); ZeRO-1/2
     reduce-scatter them (ZeRO-2 per micro-batch: it keeps no whole gradients) and all-gather
@@ -237,6 +273,9 @@ def plan(
         recompute: "none", "selective" or "full" activation recomputation.
         ddp_buckets: count DDP's bucket copy of the gradients (ZeRO 0 and 1).
         schedule: the pipeline schedule, "1F1B" or "GPipe" (:data:`SCHEDULES`).
+        method: how the replicas agree, a key of :data:`METHODS`: "ddp" (every step, with
+            ``zero``), "localsgd" or "diloco" (every ``sync_every`` steps, ``zero=0`` only).
+        sync_every: H, the steps between LocalSGD's or DiLoCo's syncs (1 for "ddp").
 
     Returns:
         The :class:`Plan` of the busiest GPU.
@@ -245,7 +284,9 @@ def plan(
         ValueError: if the layout does not multiply to ``gpus``, a size is below 1, the
             heads do not split over ``tp``, ``pp`` exceeds the layers, ``zero``, ``precision``
             or ``schedule`` is unknown, or torch does not run the pipeline
-            (:func:`~mgtutor.plan.plan_rules.refusal` says why).
+            (:func:`~mgtutor.plan.plan_rules.refusal` says why), or ``method`` is unknown,
+            takes no ``sync_every`` or comes with a ZeRO stage
+            (:func:`~mgtutor.plan.plan_rules.method_refusal`).
 
     Example:
         >>> plan(Transformer(layers=32, hidden=4096, heads=32, seq_len=4096), 8, 80 * 10**9).fits
@@ -266,7 +307,9 @@ def plan(
         raise ValueError(f"{model.heads} heads cannot be split over tp={tp}: tp must divide them")
     if pp > model.layers:
         raise ValueError(f"pp={pp} stages for {model.layers} layers: at most one stage a layer")
-    reason = refusal(pp=pp, micro_batches=micro_batches, schedule=schedule)
+    reason = refusal(pp=pp, micro_batches=micro_batches, schedule=schedule) or method_refusal(
+        method=method, zero=zero, sync_every=sync_every
+    )
     if reason:
         raise ValueError(reason)
     b_param, b_grad, b_opt = BYTES_PER_PARAMETER[precision]
@@ -288,6 +331,12 @@ def plan(
         * in_flight(pp, micro_batches, schedule),
         "logits": 4 * model.micro_batch * model.seq_len * model.vocab // tp if pp == 1 else 0,
     }
+    synced = held * SYNCED_BYTES[precision]
+    if method == "localsgd":
+        memory["communication"] += synced
+    elif method == "diloco":
+        memory["communication"] += 2 * synced
+        memory["optimizer_state"] += synced
     in_pipeline = fsdp_in_pipeline(dp=dp, pp=pp, zero=zero)
     if in_pipeline:
         memory["transient"] = held * b_grad + (shard * dp * b_param if zero >= 3 else 0)
@@ -297,7 +346,9 @@ def plan(
     collectives = []
     if dp > 1:
         grads, params = held * b_grad, held * b_param
-        if zero == 0:
+        if method != "ddp":
+            collectives.append(_ring("all_reduce", dp, synced, 1, "dp", every=sync_every))
+        elif zero == 0:
             collectives.append(_ring("all_reduce", dp, grads, 1, "dp"))
         elif zero == 1 or in_pipeline:
             collectives.append(_ring("reduce_scatter", dp, grads, 1, "dp"))
@@ -328,6 +379,8 @@ def plan(
         gpu_memory,
         micro_batches,
         schedule=schedule,
+        method=method,
+        sync_every=sync_every,
     )
 
 
@@ -347,9 +400,11 @@ def layouts(
     A ZeRO stage above 0 is tried only with dp > 1, tp only where it divides the heads, pp
     only up to the layers; what torch refuses is left out (:func:`refused_layouts` lists it,
     with the reason). The order is :data:`RANKING_RULE`: bytes alone would put a pipeline
-    that idles half of each step first, since a pipeline sends least. Bytes and the bubble are
-    not time: tensor parallelism's traffic needs a fast link (NVLink within a node), and data
-    parallelism's overlaps with backward; ``key`` takes another rule (a time model).
+    that idles half of each step first, since a pipeline sends least. With LocalSGD or DiLoCo
+    (``method`` in ``options``) only ZeRO stage 0 is tried: they do not take the others. Bytes
+    and the bubble are not time: tensor parallelism's traffic needs a fast link (NVLink within
+    a node), and data parallelism's overlaps with backward; ``key`` takes another rule (a time
+    model).
 
     Args:
         model, gpus, gpu_memory: as :func:`plan`.
@@ -364,6 +419,8 @@ def layouts(
     found = []
     micro_batches = options.get("micro_batches", 1)
     schedule = options.get("schedule", "1F1B")
+    if options.get("method", "ddp") != "ddp":
+        zero = tuple(stage for stage in zero if stage == 0)
     for tp, pp, stage in candidate_layouts(model, gpus, zero):
         if refusal(pp=pp, micro_batches=micro_batches, schedule=schedule):
             continue  # listed by refused_layouts
