@@ -10,8 +10,6 @@ runs (``tests/plan/test_planner.py``):
 * :func:`refusal`: why torch does not run a pipeline, or None; :func:`in_flight`, the
   micro-batches a stage keeps activations for, by schedule (:data:`SCHEDULES`);
   :func:`fsdp_in_pipeline`, when FSDP holds a whole stage unsharded within the step.
-* :data:`METHODS` and :func:`method_refusal`: how the data-parallel replicas agree (every
-  step, or LocalSGD and DiLoCo every H steps), and the ZeRO stages those cannot take.
 * :func:`bubble` and :func:`bubble_scaled_bytes`, the rule :func:`~mgtutor.plan.planner.layouts`
   ranks by (:data:`RANKING_RULE`). :func:`mgtutor.plan.step_time.ranked` ranks by time instead.
 """
@@ -23,7 +21,6 @@ from typing import Any
 
 __all__ = [
     "MAX_BUBBLE",
-    "METHODS",
     "RANKING_RULE",
     "bubble",
     "SCHEDULES",
@@ -31,7 +28,6 @@ __all__ = [
     "candidate_layouts",
     "fsdp_in_pipeline",
     "in_flight",
-    "method_refusal",
     "rank_key",
     "refusal",
     "refused_layouts",
@@ -44,14 +40,6 @@ MAX_BUBBLE = 0.25
 #: The pipeline schedules the planner plans, by the name of torch's class
 #: (``torch.distributed.pipelining``).
 SCHEDULES = {"1F1B": "Schedule1F1B", "GPipe": "ScheduleGPipe"}
-
-#: How the data-parallel replicas agree, the planner's ``method``, with what each sends.
-METHODS = {
-    "ddp": "gradients reduced every step (DDP; ZeRO-1/2/3 and FSDP with zero > 0)",
-    "localsgd": "parameters all-reduced to their mean every sync_every steps (LocalSGD)",
-    "diloco": "the pseudo-gradient, anchor - parameters, all-reduced every sync_every steps, "
-    "then an outer Nesterov SGD step (DiLoCo)",
-}
 
 RANKING_RULE = (
     "a layout whose pipeline bubble (p-1)/(m+p-1) exceeds max_bubble comes after every one "
@@ -112,33 +100,6 @@ def refusal(*, pp: int, micro_batches: int, schedule: str = "1F1B") -> str | Non
             f"pp={pp} with {micro_batches} micro-batches: torch's Schedule1F1B raises ValueError "
             "when there are fewer micro-batches than stages (pipelining/schedules.py, torch "
             "2.11 to 2.15); use at least as many micro-batches as stages, or GPipe"
-        )
-    return None
-
-
-def method_refusal(*, method: str, zero: int, sync_every: int) -> str | None:
-    """Why the planner does not plan ``method`` with this ZeRO stage and ``sync_every``, or None.
-
-    LocalSGD and DiLoCo let each replica step alone for ``sync_every`` steps, so each must hold
-    its whole optimizer state and gradients: sharding them over the same data-parallel ranks
-    (ZeRO) would need the other replicas every step. torchft composes the two as replica groups
-    each sharded inside (FSDP within a group, DiLoCo across groups); the planner does not.
-    """
-    if method not in METHODS:
-        return f"method must be one of {sorted(METHODS)}, got {method!r}"
-    if sync_every < 1:
-        return f"sync_every must be at least 1, got {sync_every}"
-    if method == "ddp" and sync_every != 1:
-        return (
-            f"sync_every={sync_every} with method='ddp': DDP reduces the gradients every step; "
-            "use method='localsgd' or 'diloco' to sync every H steps, or micro_batches "
-            "(gradient accumulation) for fewer, larger steps"
-        )
-    if method != "ddp" and zero:
-        return (
-            f"method={method!r} with zero={zero}: each {method} replica steps alone between "
-            "syncs, so it cannot shard its state over the same data-parallel ranks (ZeRO); "
-            "use zero=0, or shard within replica groups (torchft's layout, not planned here)"
         )
     return None
 

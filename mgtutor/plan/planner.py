@@ -29,10 +29,8 @@ Sources of the formulas:
   all-reduces of the layer's activation forward and two backward per layer (notebook 13).
   Sequence parallelism, recomputation, FSDP under a pipeline, what torch refuses, the bubble
   and the ranking rule: :mod:`~mgtutor.plan.plan_rules`.
-* LocalSGD and DiLoCo (``method``): torchft 0.2.0's ``torchft/local_sgd.py``. ``LocalSGD``
-  all-reduces a clone of every parameter after every ``sync_every``-th optimizer step;
-  ``DiLoCo`` all-reduces the pseudo-gradients (anchor - parameters), then its outer optimizer
-  steps. Both send the parameters' dtype: the weights the optimizer updates (float32 here).
+* LocalSGD and DiLoCo (``method``): torchft 0.2.0's ``torchft/local_sgd.py``
+  (:mod:`~mgtutor.plan.local_sync`).
 * Float32 gradients with 16-bit parameters ("mixed_fp32_grads"): Megatron-LM's
   ``docs/source/api-guide/dist_optimizer.md`` (commit 50b073c), "float16 param, fp32 grads |
   18 | 6 + 12/d" bytes per parameter: gradients are accumulated and reduced in float32.
@@ -51,16 +49,15 @@ from mgtutor.plan.activation_plan import (
     activation_bytes_per_layer,
     activation_terms,
 )
+from mgtutor.plan.local_sync import NAMES, SYNCED_BYTES, method_refusal, sync_memory
 from mgtutor.plan.plan_rules import (
     MAX_BUBBLE,
-    METHODS,
     RANKING_RULE,
     SCHEDULES,
     bubble,
     candidate_layouts,
     fsdp_in_pipeline,
     in_flight,
-    method_refusal,
     rank_key,
     refusal,
     refused_layouts,
@@ -72,8 +69,6 @@ __all__ = [
     "ACTIVATIONS_SOURCE",
     "BYTES_PER_PARAMETER",
     "MAX_BUBBLE",
-    "METHODS",
-    "SYNCED_BYTES",
     "Collective",
     "Plan",
     "RANKING_RULE",
@@ -97,14 +92,6 @@ BYTES_PER_PARAMETER: dict[str, tuple[int, int, int]] = {
     "mixed_fp32_grads": (2, 4, 12),
 }
 
-#: Bytes per parameter that LocalSGD and DiLoCo all-reduce, and that DiLoCo's outer momentum and
-#: sync buffers hold: the weights the optimizer updates, float32 in every precision here (the
-#: master copy of "mixed", or the parameters themselves). torchft sends ``model.parameters()``
-#: in their dtype; under torch's mixed precision (autocast, FSDP2's ``MixedPrecisionPolicy``)
-#: those are float32. Averaging a 16-bit copy instead would be undone by the next step from the
-#: master weights.
-SYNCED_BYTES: dict[str, int] = {"mixed": 4, "fp32": 4, "mixed_fp32_grads": 4}
-
 
 @dataclass(frozen=True)
 class Collective:
@@ -114,9 +101,8 @@ class Collective:
     output, a reduce-scatter's input), the convention of notebook 12 and of
     :mod:`mgtutor.parallel.tensor_comms`; ``sent_bytes`` is what one GPU sends over all
     ``calls`` on a ring of ``size`` GPUs: 2(N-1)/N of the buffer for an all-reduce, (N-1)/N for
-    an all-gather or a reduce-scatter, the buffer itself for a point-to-point send. A collective
-    run once every ``every`` steps (LocalSGD, DiLoCo) counts ``sent_bytes`` per step on average:
-    what one run sends, divided by ``every``.
+    an all-gather or a reduce-scatter, the buffer itself for a point-to-point send; for a call
+    once every ``every`` steps (LocalSGD, DiLoCo), 1/``every`` of it: per step on average.
     """
 
     name: str  # "all_reduce", "all_gather", "reduce_scatter" or "send"
@@ -180,10 +166,9 @@ class Plan:
     @property
     def layout(self) -> str:
         """The layout in words, ``"dp=4 (ZeRO-3) x tp=2 x pp=1"``, ``"dp=8 (DiLoCo, H=8) ..."``."""
-        names = {"localsgd": "LocalSGD", "diloco": "DiLoCo"}
         stage = f" (ZeRO-{self.zero})" if self.zero else ""
         if self.method != "ddp":
-            stage = f" ({names[self.method]}, H={self.sync_every})"
+            stage = f" ({NAMES[self.method]}, H={self.sync_every})"
         return f"dp={self.dp}{stage} x tp={self.tp} x pp={self.pp}"
 
 
@@ -234,28 +219,19 @@ def plan(
     * logits (pp = 1 only: with a pipeline the last stage holds them, not the planned first):
       the output layer's b·s·V/t logits in float32, as the loss upcasts them (4 bytes each).
 
-    LocalSGD and DiLoCo (``method``, torchft 0.2.0's ``local_sgd.py``) all-reduce, once every
-    H = ``sync_every`` steps, a buffer the size of the parameters in float32
-    (:data:`SYNCED_BYTES`): the parameters' clones (LocalSGD) or the pseudo-gradients (DiLoCo),
-    counted per step as 1/H of the all-reduce. Memory: those clones are held on the GPU during
-    the sync (communication; DiLoCo holds the pseudo-gradients and a copy of the local
-    parameters, twice that); DiLoCo's outer SGD keeps a momentum buffer on the GPU like its
-    parameters (optimizer_state). DiLoCo's anchor, the parameters at the last sync, is kept on
-    the CPU (torchft's default ``backup_device``), not counted. The sync buffers live after
-    backward has freed the activations; adding them to the rest, the planner's way, bounds
-    the peak from above.
-
-    Collectives per step: data parallelism all-reduces the gradients (ZeRO 0); ZeRO-1/2
-    reduce-scatter them (ZeRO-2 per micro-batch: it keeps no whole gradients) and all-gather
-    the updated parameters (the ZeRO paper's 2x the parameters); ZeRO-3 all-gathers the
-    parameters in forward and again in backward and reduce-scatters the gradients, per
-    micro-batch (3x); under a pipeline, FSDP gathers once and reduce-scatters once per step
-    (2x). Tensor parallelism: the b·s·h activation, per layer per micro-batch,
+    Collectives per step (LocalSGD, DiLoCo: the parameters in float32 all-reduced every H =
+    ``sync_every`` steps, 1/H per step; buffers: :func:`~mgtutor.plan.local_sync.sync_memory`):
+    data parallelism all-reduces the gradients (ZeRO 0); ZeRO-1/2 reduce-scatter them (ZeRO-2
+    per micro-batch: it keeps no whole gradients) and all-gather the updated parameters (the
+    ZeRO paper's 2x the parameters); ZeRO-3 all-gathers the parameters in forward and again in
+    backward and reduce-scatters the gradients, per micro-batch (3x); under a pipeline, FSDP
+    gathers once and reduce-scatters once per step (2x). Tensor parallelism: the b·s·h
+    activation, per layer per micro-batch,
     :func:`~mgtutor.plan.plan_rules.tp_collectives_per_layer` times (4 all-reduces; with
-    sequence parallelism 6 all-gathers and 4 reduce-scatters, 4 and 4 with ``keep_gathered``;
-    2 more of each forward collective under full recomputation). Pipeline: the activation
-    (b·s·h/t with sequence parallelism) sent forward and its gradient sent back at each stage
-    boundary, per micro-batch (a middle stage sends both; with pp=2, one each).
+    sequence parallelism 6 all-gathers and 4 reduce-scatters, 4 and 4 with ``keep_gathered``; 2
+    more of each forward collective under full recomputation). Pipeline: the activation (b·s·h/t
+    with sequence parallelism) sent forward and its gradient sent back at each stage boundary,
+    per micro-batch (a middle stage sends both; with pp=2, one each).
 
     Args:
         model: the model's shape.
@@ -273,8 +249,8 @@ def plan(
         recompute: "none", "selective" or "full" activation recomputation.
         ddp_buckets: count DDP's bucket copy of the gradients (ZeRO 0 and 1).
         schedule: the pipeline schedule, "1F1B" or "GPipe" (:data:`SCHEDULES`).
-        method: how the replicas agree, a key of :data:`METHODS`: "ddp" (every step, with
-            ``zero``), "localsgd" or "diloco" (every ``sync_every`` steps, ``zero=0`` only).
+        method: "ddp" (every step, any ``zero``), "localsgd" or "diloco" (every ``sync_every``
+            steps, ``zero=0``): :data:`~mgtutor.plan.local_sync.METHODS`.
         sync_every: H, the steps between LocalSGD's or DiLoCo's syncs (1 for "ddp").
 
     Returns:
@@ -284,9 +260,8 @@ def plan(
         ValueError: if the layout does not multiply to ``gpus``, a size is below 1, the
             heads do not split over ``tp``, ``pp`` exceeds the layers, ``zero``, ``precision``
             or ``schedule`` is unknown, or torch does not run the pipeline
-            (:func:`~mgtutor.plan.plan_rules.refusal` says why), or ``method`` is unknown,
-            takes no ``sync_every`` or comes with a ZeRO stage
-            (:func:`~mgtutor.plan.plan_rules.method_refusal`).
+            (:func:`~mgtutor.plan.plan_rules.refusal` says why), or ``method`` is refused
+            (:func:`~mgtutor.plan.local_sync.method_refusal`: unknown, ZeRO, ``sync_every``).
 
     Example:
         >>> plan(Transformer(layers=32, hidden=4096, heads=32, seq_len=4096), 8, 80 * 10**9).fits
@@ -307,9 +282,8 @@ def plan(
         raise ValueError(f"{model.heads} heads cannot be split over tp={tp}: tp must divide them")
     if pp > model.layers:
         raise ValueError(f"pp={pp} stages for {model.layers} layers: at most one stage a layer")
-    reason = refusal(pp=pp, micro_batches=micro_batches, schedule=schedule) or method_refusal(
-        method=method, zero=zero, sync_every=sync_every
-    )
+    reason = refusal(pp=pp, micro_batches=micro_batches, schedule=schedule)
+    reason = reason or method_refusal(method=method, zero=zero, sync_every=sync_every)
     if reason:
         raise ValueError(reason)
     b_param, b_grad, b_opt = BYTES_PER_PARAMETER[precision]
@@ -331,12 +305,8 @@ def plan(
         * in_flight(pp, micro_batches, schedule),
         "logits": 4 * model.micro_batch * model.seq_len * model.vocab // tp if pp == 1 else 0,
     }
-    synced = held * SYNCED_BYTES[precision]
-    if method == "localsgd":
-        memory["communication"] += synced
-    elif method == "diloco":
-        memory["communication"] += 2 * synced
-        memory["optimizer_state"] += synced
+    for category, nbytes in sync_memory(method, held, precision).items():
+        memory[category] += nbytes
     in_pipeline = fsdp_in_pipeline(dp=dp, pp=pp, zero=zero)
     if in_pipeline:
         memory["transient"] = held * b_grad + (shard * dp * b_param if zero >= 3 else 0)
@@ -347,6 +317,7 @@ def plan(
     if dp > 1:
         grads, params = held * b_grad, held * b_param
         if method != "ddp":
+            synced = held * SYNCED_BYTES[precision]
             collectives.append(_ring("all_reduce", dp, synced, 1, "dp", every=sync_every))
         elif zero == 0:
             collectives.append(_ring("all_reduce", dp, grads, 1, "dp"))
@@ -400,11 +371,10 @@ def layouts(
     A ZeRO stage above 0 is tried only with dp > 1, tp only where it divides the heads, pp
     only up to the layers; what torch refuses is left out (:func:`refused_layouts` lists it,
     with the reason). The order is :data:`RANKING_RULE`: bytes alone would put a pipeline
-    that idles half of each step first, since a pipeline sends least. With LocalSGD or DiLoCo
-    (``method`` in ``options``) only ZeRO stage 0 is tried: they do not take the others. Bytes
-    and the bubble are not time: tensor parallelism's traffic needs a fast link (NVLink within
-    a node), and data parallelism's overlaps with backward; ``key`` takes another rule (a time
-    model).
+    that idles half of each step first, since a pipeline sends least (LocalSGD and DiLoCo, a
+    ``method`` in ``options``, only with ZeRO-0). Bytes and the bubble are not time: tensor
+    parallelism's traffic needs a fast link (NVLink within a node), and data parallelism's
+    overlaps with backward; ``key`` takes another rule (a time model).
 
     Args:
         model, gpus, gpu_memory: as :func:`plan`.

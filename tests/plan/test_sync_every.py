@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from mgtutor.plan.local_sync import METHODS, method_refusal, sync_memory
 from mgtutor.plan.machine import H100_SXM_NODE
 from mgtutor.plan.planner import Transformer, layouts, plan
 from mgtutor.plan.step_time import step_time
@@ -99,3 +100,11 @@ def test_step_time_refuses_what_it_does_not_model():
     model = Transformer(layers=2, hidden=64, heads=2, seq_len=16)
     with pytest.raises(ValueError, match="every 8 steps"):
         step_time(plan(model, 8, 80 * GB, method="localsgd", sync_every=8), model, H100_SXM_NODE)
+
+
+def test_sync_memory_and_method_refusal_directly():
+    assert sync_memory("ddp", P, "mixed") == {}
+    assert sync_memory("localsgd", P, "fp32") == {"communication": 4 * P}
+    assert sync_memory("diloco", P, "mixed") == {"communication": 8 * P, "optimizer_state": 4 * P}
+    assert all(method_refusal(method=m, zero=0, sync_every=8 if m != "ddp" else 1) is None
+               for m in METHODS)
