@@ -8,6 +8,8 @@
   shape is a :class:`~.shape.Transformer`.
 * :mod:`.plan_rules`: the planner's rules about what runs: TP and SP collectives per layer,
   FSDP under a pipeline, the pipelines torch refuses, the bubble and the ranking rule.
+* :mod:`.local_sync`: LocalSGD and DiLoCo, replicas that sync every H steps: what they send
+  and hold, after torchft's implementation, and the ZeRO stages they do not take.
 * :mod:`.step_time`: the planner's clock: a layout's predicted step time by part (products and
   memory-bound operations at their sharded shapes, each collective on its link, the pipeline
   played out, what each technique overlaps, DDP's copies, the optimizer step), and the layouts

@@ -29,6 +29,8 @@ Sources of the formulas:
   all-reduces of the layer's activation forward and two backward per layer (notebook 13).
   Sequence parallelism, recomputation, FSDP under a pipeline, what torch refuses, the bubble
   and the ranking rule: :mod:`~mgtutor.plan.plan_rules`.
+* LocalSGD and DiLoCo (``method``): torchft 0.2.0's ``torchft/local_sgd.py``
+  (:mod:`~mgtutor.plan.local_sync`).
 * Float32 gradients with 16-bit parameters ("mixed_fp32_grads"): Megatron-LM's
   ``docs/source/api-guide/dist_optimizer.md`` (commit 50b073c), "float16 param, fp32 grads |
   18 | 6 + 12/d" bytes per parameter: gradients are accumulated and reduced in float32.
@@ -47,6 +49,7 @@ from mgtutor.plan.activation_plan import (
     activation_bytes_per_layer,
     activation_terms,
 )
+from mgtutor.plan.local_sync import NAMES, SYNCED_BYTES, method_refusal, sync_memory
 from mgtutor.plan.plan_rules import (
     MAX_BUBBLE,
     RANKING_RULE,
@@ -98,7 +101,8 @@ class Collective:
     output, a reduce-scatter's input), the convention of notebook 12 and of
     :mod:`mgtutor.parallel.tensor_comms`; ``sent_bytes`` is what one GPU sends over all
     ``calls`` on a ring of ``size`` GPUs: 2(N-1)/N of the buffer for an all-reduce, (N-1)/N for
-    an all-gather or a reduce-scatter, the buffer itself for a point-to-point send.
+    an all-gather or a reduce-scatter, the buffer itself for a point-to-point send; for a call
+    once every ``every`` steps (LocalSGD, DiLoCo), 1/``every`` of it: per step on average.
     """
 
     name: str  # "all_reduce", "all_gather", "reduce_scatter" or "send"
@@ -107,6 +111,7 @@ class Collective:
     buffer_bytes: int
     calls: int
     sent_bytes: int
+    every: int = 1
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,8 @@ class Plan:
     micro_batches: int = 1
     activations_source: str = ACTIVATIONS_SOURCE
     schedule: str = "1F1B"
+    method: str = "ddp"
+    sync_every: int = 1
 
     @property
     def bubble(self) -> float:
@@ -153,21 +160,22 @@ class Plan:
 
     @property
     def sent_bytes(self) -> int:
-        """Bytes one GPU sends per step, all collectives."""
+        """Bytes one GPU sends per step, all collectives (averaged over ``sync_every`` steps)."""
         return sum(c.sent_bytes for c in self.collectives)
 
     @property
     def layout(self) -> str:
-        """The layout in words, e.g. ``"dp=4 (ZeRO-3) x tp=2 x pp=1"``."""
+        """The layout in words, ``"dp=4 (ZeRO-3) x tp=2 x pp=1"``, ``"dp=8 (DiLoCo, H=8) ..."``."""
         stage = f" (ZeRO-{self.zero})" if self.zero else ""
+        if self.method != "ddp":
+            stage = f" ({NAMES[self.method]}, H={self.sync_every})"
         return f"dp={self.dp}{stage} x tp={self.tp} x pp={self.pp}"
 
 
-def _ring(name: str, size: int, buffer: int, calls: int, group: str) -> Collective:
+def _ring(name: str, size: int, buffer: int, calls: int, group: str, every: int = 1) -> Collective:
     factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[name]
-    return Collective(
-        name, group, size, buffer, calls, calls * factor * (size - 1) * buffer // size
-    )
+    sent = calls * factor * (size - 1) * buffer // (size * every)
+    return Collective(name, group, size, buffer, calls, sent, every)
 
 
 def plan(
@@ -186,6 +194,8 @@ def plan(
     recompute: str = "none",
     ddp_buckets: bool = False,
     schedule: str = "1F1B",
+    method: str = "ddp",
+    sync_every: int = 1,
 ) -> Plan:
     """Memory per GPU by category and communication per step, for one layout.
 
@@ -209,17 +219,19 @@ def plan(
     * logits (pp = 1 only: with a pipeline the last stage holds them, not the planned first):
       the output layer's b·s·V/t logits in float32, as the loss upcasts them (4 bytes each).
 
-    Collectives per step: data parallelism all-reduces the gradients (ZeRO 0); ZeRO-1/2
-    reduce-scatter them (ZeRO-2 per micro-batch: it keeps no whole gradients) and all-gather
-    the updated parameters (the ZeRO paper's 2x the parameters); ZeRO-3 all-gathers the
-    parameters in forward and again in backward and reduce-scatters the gradients, per
-    micro-batch (3x); under a pipeline, FSDP gathers once and reduce-scatters once per step
-    (2x). Tensor parallelism: the b·s·h activation, per layer per micro-batch,
+    Collectives per step (LocalSGD, DiLoCo: the parameters in float32 all-reduced every H =
+    ``sync_every`` steps, 1/H per step; buffers: :func:`~mgtutor.plan.local_sync.sync_memory`):
+    data parallelism all-reduces the gradients (ZeRO 0); ZeRO-1/2 reduce-scatter them (ZeRO-2
+    per micro-batch: it keeps no whole gradients) and all-gather the updated parameters (the
+    ZeRO paper's 2x the parameters); ZeRO-3 all-gathers the parameters in forward and again in
+    backward and reduce-scatters the gradients, per micro-batch (3x); under a pipeline, FSDP
+    gathers once and reduce-scatters once per step (2x). Tensor parallelism: the b·s·h
+    activation, per layer per micro-batch,
     :func:`~mgtutor.plan.plan_rules.tp_collectives_per_layer` times (4 all-reduces; with
-    sequence parallelism 6 all-gathers and 4 reduce-scatters, 4 and 4 with ``keep_gathered``;
-    2 more of each forward collective under full recomputation). Pipeline: the activation
-    (b·s·h/t with sequence parallelism) sent forward and its gradient sent back at each stage
-    boundary, per micro-batch (a middle stage sends both; with pp=2, one each).
+    sequence parallelism 6 all-gathers and 4 reduce-scatters, 4 and 4 with ``keep_gathered``; 2
+    more of each forward collective under full recomputation). Pipeline: the activation (b·s·h/t
+    with sequence parallelism) sent forward and its gradient sent back at each stage boundary,
+    per micro-batch (a middle stage sends both; with pp=2, one each).
 
     Args:
         model: the model's shape.
@@ -237,6 +249,9 @@ def plan(
         recompute: "none", "selective" or "full" activation recomputation.
         ddp_buckets: count DDP's bucket copy of the gradients (ZeRO 0 and 1).
         schedule: the pipeline schedule, "1F1B" or "GPipe" (:data:`SCHEDULES`).
+        method: "ddp" (every step, any ``zero``), "localsgd" or "diloco" (every ``sync_every``
+            steps, ``zero=0``): :data:`~mgtutor.plan.local_sync.METHODS`.
+        sync_every: H, the steps between LocalSGD's or DiLoCo's syncs (1 for "ddp").
 
     Returns:
         The :class:`Plan` of the busiest GPU.
@@ -245,7 +260,8 @@ def plan(
         ValueError: if the layout does not multiply to ``gpus``, a size is below 1, the
             heads do not split over ``tp``, ``pp`` exceeds the layers, ``zero``, ``precision``
             or ``schedule`` is unknown, or torch does not run the pipeline
-            (:func:`~mgtutor.plan.plan_rules.refusal` says why).
+            (:func:`~mgtutor.plan.plan_rules.refusal` says why), or ``method`` is refused
+            (:func:`~mgtutor.plan.local_sync.method_refusal`: unknown, ZeRO, ``sync_every``).
 
     Example:
         >>> plan(Transformer(layers=32, hidden=4096, heads=32, seq_len=4096), 8, 80 * 10**9).fits
@@ -267,6 +283,7 @@ def plan(
     if pp > model.layers:
         raise ValueError(f"pp={pp} stages for {model.layers} layers: at most one stage a layer")
     reason = refusal(pp=pp, micro_batches=micro_batches, schedule=schedule)
+    reason = reason or method_refusal(method=method, zero=zero, sync_every=sync_every)
     if reason:
         raise ValueError(reason)
     b_param, b_grad, b_opt = BYTES_PER_PARAMETER[precision]
@@ -288,6 +305,8 @@ def plan(
         * in_flight(pp, micro_batches, schedule),
         "logits": 4 * model.micro_batch * model.seq_len * model.vocab // tp if pp == 1 else 0,
     }
+    for category, nbytes in sync_memory(method, held, precision).items():
+        memory[category] += nbytes
     in_pipeline = fsdp_in_pipeline(dp=dp, pp=pp, zero=zero)
     if in_pipeline:
         memory["transient"] = held * b_grad + (shard * dp * b_param if zero >= 3 else 0)
@@ -297,7 +316,10 @@ def plan(
     collectives = []
     if dp > 1:
         grads, params = held * b_grad, held * b_param
-        if zero == 0:
+        if method != "ddp":
+            synced = held * SYNCED_BYTES[precision]
+            collectives.append(_ring("all_reduce", dp, synced, 1, "dp", every=sync_every))
+        elif zero == 0:
             collectives.append(_ring("all_reduce", dp, grads, 1, "dp"))
         elif zero == 1 or in_pipeline:
             collectives.append(_ring("reduce_scatter", dp, grads, 1, "dp"))
@@ -328,6 +350,8 @@ def plan(
         gpu_memory,
         micro_batches,
         schedule=schedule,
+        method=method,
+        sync_every=sync_every,
     )
 
 
@@ -347,9 +371,10 @@ def layouts(
     A ZeRO stage above 0 is tried only with dp > 1, tp only where it divides the heads, pp
     only up to the layers; what torch refuses is left out (:func:`refused_layouts` lists it,
     with the reason). The order is :data:`RANKING_RULE`: bytes alone would put a pipeline
-    that idles half of each step first, since a pipeline sends least. Bytes and the bubble are
-    not time: tensor parallelism's traffic needs a fast link (NVLink within a node), and data
-    parallelism's overlaps with backward; ``key`` takes another rule (a time model).
+    that idles half of each step first, since a pipeline sends least (LocalSGD and DiLoCo, a
+    ``method`` in ``options``, only with ZeRO-0). Bytes and the bubble are not time: tensor
+    parallelism's traffic needs a fast link (NVLink within a node), and data parallelism's
+    overlaps with backward; ``key`` takes another rule (a time model).
 
     Args:
         model, gpus, gpu_memory: as :func:`plan`.
@@ -364,6 +389,8 @@ def layouts(
     found = []
     micro_batches = options.get("micro_batches", 1)
     schedule = options.get("schedule", "1F1B")
+    if options.get("method", "ddp") != "ddp":
+        zero = tuple(stage for stage in zero if stage == 0)
     for tp, pp, stage in candidate_layouts(model, gpus, zero):
         if refusal(pp=pp, micro_batches=micro_batches, schedule=schedule):
             continue  # listed by refused_layouts

@@ -111,11 +111,21 @@ def step_time(
     Returns:
         The :class:`~mgtutor.plan.machine.StepTime` of the stage that finishes last.
 
+    Raises:
+        ValueError: for LocalSGD or DiLoCo (``plan.method``): their sync, after every H-th
+            step and not overlapped with backward, is not modelled.
+
     Example:
         >>> from mgtutor.plan.machine import H100_SXM_NODE
         >>> model = Transformer(32, 4096, 32, 4096)
         >>> step_time(plan(model, 8, 80 * 10**9, zero=1), model, H100_SXM_NODE).total
     """
+    if plan.method != "ddp":
+        raise ValueError(
+            f"step_time models DDP and ZeRO, which sync every step; {plan.layout} syncs every "
+            f"{plan.sync_every} steps after the optimizer step, which it does not model: time "
+            "the layout with method='ddp' and add the sync's seconds yourself"
+        )
     p, t, d, m = plan.pp, plan.tp, plan.dp, plan.micro_batches
     gpus, node, overlap = p * t * d, hardware.gpus_per_node, hardware.overlap
     tokens = model.micro_batch * model.seq_len * m * d

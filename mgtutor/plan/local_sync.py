@@ -1,0 +1,84 @@
+"""LocalSGD and DiLoCo in the planner: what replicas that sync every H steps send and hold.
+
+The planner's ``method`` follows torchft 0.2.0's ``torchft/local_sgd.py``:
+
+* ``LocalSGD`` clones every parameter and all-reduces the clones to their mean after every
+  ``sync_every``-th optimizer step (``_average``); the clones are on the GPU until it ends.
+* ``DiLoCo`` keeps the anchor, the parameters at the last sync (``original_parameters``), on
+  ``backup_device``: the CPU by default (pinned), so no GPU memory. At the sync it holds on
+  the GPU the pseudo-gradients, anchor - parameters (``_save_grads``), and a copy of the local
+  parameters (``_save_local_parameters``); it all-reduces the pseudo-gradients and steps its
+  outer optimizer (``torch.optim.SGD``, Nesterov momentum, in torchft's ``train_diloco.py``),
+  whose momentum buffer torch keeps like the gradient it is given: on the GPU. Streaming
+  DiLoCo syncs fragments in turn, each once per ``sync_every`` steps: the same bytes, spread.
+* Both send the parameters in their dtype (``should_quantize`` off, its default): the weights
+  the optimizer updates, float32 under torch's mixed precision (autocast, FSDP2's
+  ``MixedPrecisionPolicy``), and float32 masters here, as a 16-bit copy averaged would be
+  overwritten from the masters at the next step (:data:`SYNCED_BYTES`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["METHODS", "NAMES", "SYNCED_BYTES", "method_refusal", "sync_memory"]
+
+#: How the data-parallel replicas agree, the planner's ``method``, with what each sends.
+METHODS = {
+    "ddp": "gradients reduced every step (DDP; ZeRO-1/2/3 and FSDP with zero > 0)",
+    "localsgd": "parameters all-reduced to their mean every sync_every steps (LocalSGD)",
+    "diloco": "the pseudo-gradient, anchor - parameters, all-reduced every sync_every steps, "
+    "then an outer Nesterov SGD step (DiLoCo)",
+}
+
+#: Each method's name in a layout's words (:attr:`mgtutor.plan.planner.Plan.layout`).
+NAMES = {"localsgd": "LocalSGD", "diloco": "DiLoCo"}
+
+#: Bytes per parameter LocalSGD and DiLoCo all-reduce, and each of DiLoCo's outer momentum and
+#: sync buffers holds, by the planner's precision: float32 weights in each.
+SYNCED_BYTES: dict[str, int] = {"mixed": 4, "fp32": 4, "mixed_fp32_grads": 4}
+
+
+def method_refusal(*, method: str, zero: int, sync_every: int) -> str | None:
+    """Why the planner does not plan ``method`` with this ZeRO stage and ``sync_every``, or None.
+
+    LocalSGD and DiLoCo let each replica step alone for ``sync_every`` steps, so each must hold
+    its whole optimizer state and gradients: sharding them over the same data-parallel ranks
+    (ZeRO) would need the other replicas every step. torchft composes the two as replica groups
+    each sharded inside (FSDP within a group, DiLoCo across groups); the planner does not.
+    """
+    if method not in METHODS:
+        return f"method must be one of {sorted(METHODS)}, got {method!r}"
+    if sync_every < 1:
+        return f"sync_every must be at least 1, got {sync_every}"
+    if method == "ddp" and sync_every != 1:
+        return (
+            f"sync_every={sync_every} with method='ddp': DDP reduces the gradients every step; "
+            "use method='localsgd' or 'diloco' to sync every H steps, or micro_batches "
+            "(gradient accumulation) for fewer, larger steps"
+        )
+    if method != "ddp" and zero:
+        return (
+            f"method={method!r} with zero={zero}: each {method} replica steps alone between "
+            "syncs, so it cannot shard its state over the same data-parallel ranks (ZeRO); "
+            "use zero=0, or shard within replica groups (torchft's layout, not planned here)"
+        )
+    return None
+
+
+def sync_memory(method: str, held: int, precision: str) -> dict[str, int]:
+    """GPU bytes ``method`` adds to a replica holding ``held`` parameters, by category.
+
+    LocalSGD: its clones (communication). DiLoCo: the pseudo-gradients and the local copy
+    (communication) and the outer momentum (optimizer_state); the anchor is on the CPU. The
+    sync buffers live after backward has freed the activations: the planner adds them to the
+    rest anyway, an upper bound of the peak.
+
+    Example:
+        >>> sync_memory("diloco", 10, "mixed")
+        {'communication': 80, 'optimizer_state': 40}
+    """
+    synced = held * SYNCED_BYTES[precision]
+    if method == "localsgd":
+        return {"communication": synced}
+    if method == "diloco":
+        return {"communication": 2 * synced, "optimizer_state": synced}
+    return {}
