@@ -8,13 +8,18 @@ The planner's ``method`` follows torchft 0.2.0's ``torchft/local_sgd.py``:
   ``backup_device``: the CPU by default (pinned), so no GPU memory. At the sync it holds on
   the GPU the pseudo-gradients, anchor - parameters (``_save_grads``), and a copy of the local
   parameters (``_save_local_parameters``); it all-reduces the pseudo-gradients and steps its
-  outer optimizer (``torch.optim.SGD``, Nesterov momentum, in torchft's ``train_diloco.py``),
-  whose momentum buffer torch keeps like the gradient it is given: on the GPU. Streaming
-  DiLoCo syncs fragments in turn, each once per ``sync_every`` steps: the same bytes, spread.
-* Both send the parameters in their dtype (``should_quantize`` off, its default): the weights
-  the optimizer updates, float32 under torch's mixed precision (autocast, FSDP2's
-  ``MixedPrecisionPolicy``), and float32 masters here, as a 16-bit copy averaged would be
-  overwritten from the masters at the next step (:data:`SYNCED_BYTES`).
+  outer optimizer (``torch.optim.SGD``, Nesterov momentum, as torchft 0.2.0's own
+  ``torchft/_test/diloco_trainer.py`` builds it), whose momentum buffer torch keeps like the
+  gradient it is given: on the GPU. Streaming DiLoCo syncs fragments in turn, each once per
+  ``sync_every`` steps: the same bytes, spread.
+* LocalSGD sends the parameters, DiLoCo the pseudo-gradients, both in the parameters' dtype
+  (``Manager.allreduce`` does not quantize by default; DiLoCo's ``should_quantize`` is off by
+  default, LocalSGD has none). The planner counts float32 (:data:`SYNCED_BYTES`): the weights
+  the optimizer updates are float32 under torch's mixed precision (autocast, FSDP2's
+  ``MixedPrecisionPolicy``), where torchft sends them as they are; with 16-bit model weights
+  and float32 masters inside the optimizer (the planner's "mixed"), torchft would send the
+  16-bit copy, which the optimizer overwrites from its masters at the next step, so the
+  planner counts the masters' bytes instead: its choice, not torchft's.
 """
 
 from __future__ import annotations
@@ -69,8 +74,10 @@ def sync_memory(method: str, held: int, precision: str) -> dict[str, int]:
 
     LocalSGD: its clones (communication). DiLoCo: the pseudo-gradients and the local copy
     (communication) and the outer momentum (optimizer_state); the anchor is on the CPU. The
-    sync buffers live after backward has freed the activations: the planner adds them to the
-    rest anyway, an upper bound of the peak.
+    planner adds the sync buffers to everything else, an upper bound of the peak: without a
+    delay they live after backward has freed the activations; Streaming DiLoCo with a
+    ``fragment_sync_delay`` keeps one fragment's pseudo-gradients through the next steps, a
+    fragment's share of what is counted here.
 
     Example:
         >>> sync_memory("diloco", 10, "mixed")

@@ -113,7 +113,7 @@ def step_time(
 
     Raises:
         ValueError: for LocalSGD or DiLoCo (``plan.method``): their sync, after every H-th
-            step and not overlapped with backward, is not modelled.
+            step (overlapped with the next inner steps under Streaming DiLoCo), is not modelled.
 
     Example:
         >>> from mgtutor.plan.machine import H100_SXM_NODE
@@ -123,8 +123,8 @@ def step_time(
     if plan.method != "ddp":
         raise ValueError(
             f"step_time models DDP and ZeRO, which sync every step; {plan.layout} syncs every "
-            f"{plan.sync_every} steps after the optimizer step, which it does not model: time "
-            "the layout with method='ddp' and add the sync's seconds yourself"
+            f"{plan.sync_every} steps after the optimizer step (Streaming DiLoCo overlaps it "
+            "with inner steps), which it does not model"
         )
     p, t, d, m = plan.pp, plan.tp, plan.dp, plan.micro_batches
     gpus, node, overlap = p * t * d, hardware.gpus_per_node, hardware.overlap
