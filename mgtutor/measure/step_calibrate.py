@@ -122,8 +122,9 @@ def at_rate(hardware: Hardware, extra: dict[str, Any], ranks: int, rate: float) 
     >>> at_rate(cpu, {"reference": 2.0, "reference_wall": 1.0}, 1, 1.0).device.gemm_rates
     {(1, 1, 1): 0.5}
     """
-    factor = rate / extra[CLOCKS[step_clock(ranks)][1]]
-    if ranks == 1:
+    clock = step_clock(ranks)
+    factor = rate / extra[CLOCKS[clock][1]]
+    if clock == "cpu":  # the rate, the step and the calibration all per CPU second
         return scaled(hardware, factor)
     return scaled(hardware, rate / extra[CLOCKS["cpu"][1]], factor)
 

@@ -115,6 +115,24 @@ def test_each_rank_count_is_rescaled_by_the_reference_on_the_clock_it_is_timed_o
     assert timers == {1: time.process_time, 2: time.perf_counter}  # what _measure_rank reads
 
 
+def test_one_rank_times_its_step_and_its_rate_in_cpu_seconds(monkeypatch):
+    # _measure_rank itself, in this process, with the step and the rate stubbed: a one-rank
+    # real configuration's step that sleeps 50 ms reads about 0 (CPU seconds; a wall-clock
+    # timer reads 0.05 or more), and its rate is timed with process_time, kept as "rate_cpu".
+    from mgtutor import worker
+    from mgtutor.measure import step_builds, step_windows
+
+    clocks = []
+    monkeypatch.setattr(worker, "setup", lambda *args, **kwargs: None)
+    monkeypatch.setattr(step_builds, "build", lambda config: (lambda: time.sleep(0.05), None))
+    monkeypatch.setattr(step_windows, "reference_rate",
+                        lambda model, window, clock: clocks.append(clock) or 1.0)
+    one = step_check.CONFIGS["one process"]
+    out = step_windows._measure_rank(one, steps=2, window=0.01, calls=1)
+    assert clocks == [time.process_time] * 2 and out["rate_cpu"] == [1.0, 1.0]
+    assert max(out["seconds"]) < 0.025, out["seconds"]
+
+
 def test_the_link_fit_keeps_the_small_messages_latency():
     # 1 ms + bytes / 1 GB/s, 10% noise on the two larger messages: the relative fit keeps the
     # small message within 10%, where a plain least-squares line misses it by 12%.
