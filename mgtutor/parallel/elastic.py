@@ -36,7 +36,7 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -113,7 +113,7 @@ def _await_decision(store: dist.TCPStore, step: int) -> None:
 
 def _replica(
     rid: int, port: int, steps: int, size: int, die_at: int | None, step_seconds: float,
-    interface: str | None,
+    interface: str | None, straggle: tuple[int, float] | None = None,
 ) -> None:
     """One replica's life: join each quorum, train, and die (SIGKILL, before its all-reduce) at
     the first step at or after ``die_at`` that it takes part in, or finish."""
@@ -126,6 +126,7 @@ def _replica(
     params = list(model.parameters())
     momenta = [torch.zeros_like(p) for p in params]
     step, samples, epoch, grow = 0, 0, -1, False
+    failed_waits: list[float] = []  # seconds spent in each all-reduce that failed
     # A member that agreed to a join goes to the next epoch even after the last step, so that
     # the joiner gets its state (a join agreed at the last step would otherwise strand it).
     while step < steps or grow:
@@ -153,15 +154,20 @@ def _replica(
                 time.sleep(0.01)
             joining = float(store.check(["join_request"]))
             buffer = torch.cat([_flat([p.grad for p in params]), torch.tensor([joining]).double()])
+            if straggle and epoch == 0 and step == straggle[0]:
+                time.sleep(straggle[1])  # this life's first epoch only
             if die_at is not None and step >= die_at:
                 os.kill(os.getpid(), signal.SIGKILL)
+            entered = time.monotonic()
             try:
                 group.allreduce([buffer]).wait()
             except RuntimeError:
+                failed_waits.append(time.monotonic() - entered)
                 # A member died: drop this group now, closing its connections, so that a
                 # survivor still inside the all-reduce waiting on this one fails at once rather
                 # than at gloo's timeout; then wait for the coordinator's next quorum and redo
-                # this step.
+                # this step. The Work object was a temporary, so this is the last reference: a
+                # Work kept alive would keep the group's connections open.
                 del group
                 break
             _sgd_step(params, momenta, buffer[:-1] / len(members))
@@ -174,7 +180,8 @@ def _replica(
                 store.set(f"ack/{epoch}/{rid}", "1")
                 grow = True
                 break
-    final = {"params": _flat(params).tolist(), "step": step, "samples": samples}
+    final = {"params": _flat(params).tolist(), "step": step, "samples": samples,
+             "failed_waits": failed_waits}
     store.set(f"final/{rid}", json.dumps(final))
 
 
@@ -185,7 +192,8 @@ class ElasticRun:
     Attributes:
         members: each committed step's members, in step order (replica ids).
         commits: how many times each step was committed (1 each when none is double-counted).
-        final: each replica's last state: ``params`` (a flat list), ``step``, ``samples``.
+        final: each replica's last state: ``params`` (a flat list), ``step``, ``samples``, and
+            ``failed_waits``: the seconds each of its all-reduces that failed took to fail.
         lives: how many processes each replica id ran.
         deaths: (replica id, the step it died at) in order.
     """
@@ -209,6 +217,7 @@ def run_replicas(
     timeout: float = 120.0,
     start_method: str | None = None,
     poll_seconds: float = 0.02,
+    straggle: Mapping[int, float] | None = None,
 ) -> ElasticRun:
     """Train ``replicas`` one-process replica groups for ``steps`` global steps; kill one.
 
@@ -231,6 +240,9 @@ def run_replicas(
         poll_seconds: how often the coordinator looks at the processes and the store. The
             members' waits make the run's outcome independent of it; a slower poll only
             delays the restart (tests run it slower than a step to show that).
+        straggle: seconds each replica id (its first life) waits before its all-reduce at the
+            first step of ``kills``: stragglers that enter the failing all-reduce before or
+            after the victim's death.
 
     Returns:
         An :class:`ElasticRun`.
@@ -262,7 +274,9 @@ def run_replicas(
 
     def start(rid: int) -> multiprocessing.process.BaseProcess:
         die_at = pending.pop(0) if rid == victim and pending else None
-        args = (rid, store.port, steps, size, die_at, step_seconds, interface)
+        late = (kills[0], straggle[rid]) if straggle and kills and rid in straggle else None
+        args = (rid, store.port, steps, size, die_at, step_seconds, interface,
+                late if lives[rid] == 0 else None)
         process = context.Process(target=_replica, args=args)
         process.start()
         lives[rid] += 1

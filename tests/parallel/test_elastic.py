@@ -69,6 +69,19 @@ def test_a_join_agreed_at_the_last_step_gets_the_state() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_a_survivor_waiting_in_the_failed_all_reduce_is_released_at_once() -> None:
+    # Replica 2 enters the all-reduce at step 4 first, the victim dies 0.2 s later, replica 0
+    # enters after the death and fails at once. Replica 2 waits on replica 0: it is released
+    # when replica 0 drops its group, not at gloo's 20 s timeout (with the group kept, 19 s+).
+    run = run_replicas(3, steps=10, size=SIZE, kills=[4], rejoin_after=2, timeout=90,
+                       straggle={0: 0.6, 1: 0.2})
+    _check(run, 10, [4])
+    waits = [w for rid in (0, 2) for w in run.final[rid]["failed_waits"]]
+    print("seconds each survivor's failed all-reduce took:", [round(w, 2) for w in waits])
+    assert len(waits) == 2 and max(waits) < 10, waits
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("before_end", [1, 2])
 def test_a_replica_killed_too_late_to_come_back_is_named(before_end: int) -> None:
     # Killed 1 or 2 steps before the end with rejoin_after=2, its restart would be due after
