@@ -14,7 +14,7 @@ from mgtutor.launcher.run import RankResult, Run
 from mgtutor.measure.timing import PhaseRecord
 from mgtutor.rank.messages import Done, Failed
 
-__all__ = ["RankHandle", "build_run", "with_wall_time"]
+__all__ = ["RankHandle", "agreed_backend", "build_run", "with_wall_time"]
 
 
 @dataclass
@@ -27,6 +27,7 @@ class RankHandle:
     output: RankOutput
     main_ident: int | None = None
     ready: bool = False
+    backend: str | None = None  # its process group's, as it said when ready (None: no group)
     # The call this rank is in, and how far it got.
     call: int = 0
     started: bool = False
@@ -59,6 +60,24 @@ class RankHandle:
     def answered(self) -> bool:
         """True when the rank ended its call, one way or the other."""
         return self.done is not None or self.failed_at is not None
+
+
+def agreed_backend(handles: list[RankHandle]) -> str | None:
+    """The backend the ranks' process group uses, as each said when ready; None if they made none.
+
+    Raises:
+        WorkerError: the ranks said different backends (each rank's is named).
+    """
+    said = {h.backend for h in handles}
+    if len(said) <= 1:
+        return said.pop() if said else None
+    odd = next(h for h in handles if h.backend != handles[0].backend)
+    each = ", ".join(f"rank {h.rank}: {h.backend}" for h in handles)
+    raise WorkerError(
+        f"the ranks joined the process group with different backends ({each}). Pass the "
+        f"backend to use (backend='gloo' or 'nccl') or set MGTUTOR_BACKEND, so every rank uses it.",
+        rank=odd.rank,
+    )
 
 
 def build_run(handles: list[RankHandle], world_size: int, started: float, finished: float) -> Run:

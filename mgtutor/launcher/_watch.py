@@ -131,7 +131,7 @@ class RankWatch:
         elif isinstance(message, Hello):
             h.main_ident = message.main_ident
         elif isinstance(message, Ready):
-            h.ready = True
+            h.ready, h.backend = True, message.backend
 
     def _reap(self) -> None:
         self.maybe_ended = False

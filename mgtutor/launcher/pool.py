@@ -90,7 +90,8 @@ class Pool:
     Args:
         world_size: number of ranks.
         backend: "gloo" or "nccl"; None takes the notebook's MGTUTOR_BACKEND where it is set,
-            else picks NCCL with one GPU per rank, else gloo.
+            else each rank picks NCCL with one GPU per rank, else gloo. Once the ranks have
+            joined their group, ``pool.backend`` is the one they chose, as they say it.
         start_timeout: seconds the ranks may take to start and join the process group, and
             each call to unpickle fn; None means no limit.
         start_method: "forkserver" (the default on Linux) or "spawn" (the default and only
@@ -139,7 +140,7 @@ class Pool:
         backend = _arguments.backend_asked_for(backend)
         _arguments.check_arguments(world_size, backend, start_timeout, start_method)
         self.world_size = world_size
-        self.backend = backend
+        self._backend_asked = self.backend = backend
         self.start_timeout = start_timeout
         self.start_method = start_method or _arguments.default_start_method()
         self.join_group = join_group
@@ -174,7 +175,8 @@ class Pool:
     @lifetime.keeps_busy
     def _start(self) -> None:
         self._store = _processes.host_store(self.world_size)
-        common = _processes.worker_environment(self.world_size, self.backend, self._store.port)
+        asked = self._backend_asked
+        common = _processes.worker_environment(self.world_size, asked, self._store.port)
         ctx = _processes.context_for(self.start_method)
         supervisor = Supervisor(self._wording)
         self._supervisor = supervisor
@@ -193,18 +195,16 @@ class Pool:
         try:
             with _processes.main_not_reimported():
                 for rank in range(self.world_size):
+                    environ = {**common, DUMP_PATH_ENV: supervisor.dump_paths[rank]}
                     handle = _processes.start_rank(
-                        ctx,
-                        rank,
-                        {**common, DUMP_PATH_ENV: supervisor.dump_paths[rank]},
-                        context,
-                        join_group=self.join_group,
-                        one_call=not self.keeps_ranks,
-                        backend=self.backend,
+                        ctx, rank, environ, context, join_group=self.join_group,
+                        one_call=not self.keeps_ranks, backend=asked,
                     )
                     supervisor.add(handle)
             _open_pools.add(self)
             self._ready(supervisor)
+            # The ranks' own choice where they made one at the start (backend=None: setup's).
+            self.backend = _handle.agreed_backend(supervisor.handles) or asked
         except BaseException:
             self._shutdown()
             raise

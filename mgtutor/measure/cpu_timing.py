@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from mgtutor.plan.compute_time import product_shapes
-from mgtutor.plan.planner import Transformer
+from mgtutor.plan.shape import Transformer
 
 __all__ = [
     "COLD_BYTES",

@@ -34,7 +34,7 @@ from mgtutor.measure.cpu_timing import (
 )
 from mgtutor.plan.compute_time import Device
 from mgtutor.plan.machine import DDP_BUCKET_BYTES, Hardware, Link
-from mgtutor.plan.planner import Transformer
+from mgtutor.plan.shape import Transformer
 
 __all__ = [
     "CHECK_MODEL",

@@ -46,7 +46,8 @@ from mgtutor.measure.step_calibrate import (
 )
 from mgtutor.measure.step_windows import WINDOW, _measure_rank, window_crowding
 from mgtutor.plan.machine import Hardware, Link, Software, StepTime
-from mgtutor.plan.planner import Transformer, plan
+from mgtutor.plan.planner import plan
+from mgtutor.plan.shape import Transformer
 from mgtutor.plan.step_time import step_time
 
 __all__ = [

@@ -6,7 +6,7 @@ module checks it on CPU ranks and says where torch 2.14 does something else:
 * :func:`record_collectives` writes down, inside a rank, every call that reaches a process
   group (name, group size, bytes of the whole buffer); :func:`tally` groups them as the
   planner's :class:`~mgtutor.plan.planner.Collective`, with the bytes one GPU sends.
-* :func:`build` makes the modules a :class:`~mgtutor.plan.planner.Transformer` describes
+* :func:`build` makes the modules a :class:`~mgtutor.plan.shape.Transformer` describes
   (an embedding, then one :class:`mgtutor.parallel.tensor.Block` per layer), so the ranks run
   the very parameter count the planner plans.
 * :func:`torch_collectives` is what torch runs for ZeRO 0 to 3 on that model, which differs
@@ -52,7 +52,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mgtutor.measure.written import SocketWrites, bytes_written
 from mgtutor.parallel.tensor import Block
-from mgtutor.plan.planner import Collective, Transformer
+from mgtutor.plan.planner import Collective
+from mgtutor.plan.shape import Transformer
 
 __all__ = [
     "Call",

@@ -79,7 +79,7 @@ def activation_terms(
     """Bytes one layer keeps for backward per micro-batch, by term, on one rank.
 
     Args:
-        model: the shape (:class:`mgtutor.plan.planner.Transformer`: ``seq_len`` s,
+        model: the shape (:class:`mgtutor.plan.shape.Transformer`: ``seq_len`` s,
             ``micro_batch`` b, ``hidden`` h, ``heads`` a, ``ffn``, 4h by default).
         tp: tensor-parallel size t.
         sequence_parallel: Megatron's sequence parallelism with ``tp``.

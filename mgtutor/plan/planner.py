@@ -47,39 +47,21 @@ from mgtutor.plan.activation_plan import (
     ACTIVATIONS_SOURCE,
     ELEMENT_BYTES,
     activation_bytes_per_layer,
-    activation_terms,
 )
 from mgtutor.plan.local_sync import NAMES, SYNCED_BYTES, method_refusal, sync_memory
 from mgtutor.plan.plan_rules import (
     MAX_BUBBLE,
-    RANKING_RULE,
-    SCHEDULES,
     bubble,
     candidate_layouts,
     fsdp_in_pipeline,
     in_flight,
     rank_key,
     refusal,
-    refused_layouts,
     tp_collectives_per_layer,
 )
 from mgtutor.plan.shape import Transformer
 
-__all__ = [
-    "ACTIVATIONS_SOURCE",
-    "BYTES_PER_PARAMETER",
-    "MAX_BUBBLE",
-    "Collective",
-    "Plan",
-    "RANKING_RULE",
-    "SCHEDULES",
-    "Transformer",
-    "activation_bytes_per_layer",
-    "activation_terms",
-    "layouts",
-    "plan",
-    "refused_layouts",
-]
+__all__ = ["BYTES_PER_PARAMETER", "Collective", "Plan", "layouts", "plan"]
 
 #: Bytes per parameter: (parameter, gradient, optimizer state) for Adam in each precision.
 #: "mixed": 16-bit parameters and gradients, float32 master weights, momentum and variance

@@ -38,7 +38,8 @@ from mgtutor.plan.machine import (
     Software,
     StepTime,
 )
-from mgtutor.plan.planner import Transformer, plan
+from mgtutor.plan.planner import plan
+from mgtutor.plan.shape import Transformer
 from mgtutor.plan.step_time import step_time
 
 __all__ = [
@@ -150,7 +151,7 @@ class _Llama(Transformer):
 
 
 def llama(**shape: Any) -> Transformer:
-    """A Llama-shaped :class:`~mgtutor.plan.planner.Transformer` (gated MLP, untied output,
+    """A Llama-shaped :class:`~mgtutor.plan.shape.Transformer` (gated MLP, untied output,
     RMSNorm): ``style="llama"`` where the planner has it."""
     if "style" in {f.name for f in fields(Transformer)}:
         return Transformer(**shape, style="llama")

@@ -55,7 +55,8 @@ from mgtutor.plan.compute_time import compute_flops, layer_times, logits_times
 from mgtutor.plan.machine import TORCH, Hardware, Link, Software, StepTime
 from mgtutor.plan.pipeline_schedule import simulate
 from mgtutor.plan.plan_rules import candidate_layouts
-from mgtutor.plan.planner import BYTES_PER_PARAMETER, Plan, Transformer, plan
+from mgtutor.plan.planner import BYTES_PER_PARAMETER, Plan, plan
+from mgtutor.plan.shape import Transformer
 
 #: The machines, software and a step's parts live in :mod:`mgtutor.plan.machine`; this module
 #: predicts with them.
@@ -282,7 +283,7 @@ def ranked(
         try:
             p = plan(model, gpus, hardware.memory, tp=tp, pp=pp, zero=stage, micro_batches=m,
                      recompute=recompute, **options)  # fmt: skip
-        except ValueError:  # torch does not run it: planner.refused_layouts says why
+        except ValueError:  # torch does not run it: plan_rules.refused_layouts says why
             continue
         v = chunks if pp > 1 else 1
         if v > 1:

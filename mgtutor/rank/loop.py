@@ -376,7 +376,7 @@ def rank_main(spec: RankSpec) -> None:
             channel.send(_failure(exc, "could not join the process group", 0))
             _flush()
             os._exit(1)
-    channel.send(Ready())
+    channel.send(Ready(current_backend()))  # setup's choice; None where no group was made
     for message in messages:
         if isinstance(message, Exit):
             break

@@ -75,7 +75,13 @@ class Hello:
 
 @dataclass(frozen=True)
 class Ready:
-    """The rank has joined the process group (when the pool makes one) and waits for calls."""
+    """The rank has joined the process group (when the pool makes one) and waits for calls.
+
+    Attributes:
+        backend: the backend of the group it joined, as torch names it; None when it made none.
+    """
+
+    backend: str | None = None
 
 
 @dataclass(frozen=True)

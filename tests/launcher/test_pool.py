@@ -218,6 +218,37 @@ def test_interrupt_stops_fn_on_every_rank_and_keeps_the_pool(pool) -> None:
     assert pool.alive and pool.run(os.getpid).results == pids
 
 
+def test_the_pool_learns_the_backend_its_ranks_chose(monkeypatch) -> None:
+    # Nothing asked on the notebook's side (no backend, no MGTUTOR_BACKEND): each rank's setup()
+    # chooses, and the pool reads their choice from their start-up message.
+    import torch
+    import torch.distributed as dist
+
+    from mgtutor.hardware import choose_backend
+
+    monkeypatch.delenv("MGTUTOR_BACKEND", raising=False)
+    chosen = choose_backend(torch.cuda.device_count(), dist.is_nccl_available(), 2)
+    with mgtutor.Pool(world_size=2) as pool:
+        assert pool._backend_asked is None
+        assert pool.backend == chosen and f"backend={chosen!r}" in repr(pool)
+        assert [h.backend for h in pool._supervisor.handles] == [chosen, chosen]
+        assert pool.run(lambda: str(dist.get_backend())).results == [chosen, chosen]
+
+
+def test_ranks_that_chose_different_backends_are_refused_naming_each() -> None:
+    from mgtutor.launcher._handle import RankHandle, agreed_backend
+
+    def ranks(*said):
+        return [RankHandle(r, None, None, None, backend=b) for r, b in enumerate(said)]
+
+    assert agreed_backend(ranks("gloo", "gloo")) == "gloo"
+    assert agreed_backend(ranks(None, None)) is None
+    each = r"rank 0: gloo, rank 1: nccl, rank 2: gloo"
+    with pytest.raises(mgtutor.WorkerError, match=each) as info:
+        agreed_backend(ranks("gloo", "nccl", "gloo"))
+    assert info.value.rank == 1
+
+
 def test_bad_arguments_are_refused_before_anything_starts() -> None:
     with pytest.raises(ValueError, match="world_size must be at least 1"):
         mgtutor.Pool(world_size=0)

@@ -19,7 +19,8 @@ from mgtutor.build import torch_release
 from mgtutor.doctor.record import recorder_available
 from mgtutor.measure import traffic
 from mgtutor.measure.traffic import Call
-from mgtutor.plan.planner import Transformer, plan
+from mgtutor.plan.planner import plan
+from mgtutor.plan.shape import Transformer
 
 GB = 10**9
 # An odd vocabulary: the embedding's 11 rows are padded to 12 by FSDP2 on 2 ranks.

@@ -17,7 +17,7 @@ from mgtutor.plan.activation_plan import (
     activation_bytes_per_layer,
     activation_terms,
 )
-from mgtutor.plan.planner import Transformer
+from mgtutor.plan.shape import Transformer
 
 torch = pytest.importorskip("torch")
 

@@ -12,8 +12,8 @@ from mgtutor.plan.compute_time import (
     layer_times,
     matrix_params_per_layer,
 )
-from mgtutor.plan.planner import Transformer
 from mgtutor.plan.published_runs import llama
+from mgtutor.plan.shape import Transformer
 
 # Round numbers: 10 SMs, 1e12 FLOP/s at the ceiling, 1e12 bytes/s of memory.
 ROUND = Device(

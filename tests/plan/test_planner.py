@@ -8,7 +8,10 @@ import pytest
 
 import mgtutor
 from mgtutor.plan import planner
-from mgtutor.plan.planner import Transformer, layouts, plan
+from mgtutor.plan.activation_plan import activation_bytes_per_layer, activation_terms
+from mgtutor.plan.plan_rules import MAX_BUBBLE, refused_layouts
+from mgtutor.plan.planner import layouts, plan
+from mgtutor.plan.shape import Transformer
 
 GB = 10**9
 
@@ -266,7 +269,7 @@ def test_tp_and_sp_collectives_equal_what_ranks_run(tp_in_ranks, variant, recomp
 def test_kept_gathered_inputs_equal_the_activation_terms(tp_in_ranks):
     shape = Transformer(layers=1, hidden=16, heads=4, seq_len=4, micro_batch=3)
     for variant, options in {"sp": {}, "sp_kept": {"keep_gathered": True}}.items():
-        planned = planner.activation_terms(shape, 2, True, "fp32", norm_stat_bytes=4, **options)
+        planned = activation_terms(shape, 2, True, "fp32", norm_stat_bytes=4, **options)
         for rank in tp_in_ranks:
             assert rank["kept"][variant] == planned, variant
     sp, kept = (tp_in_ranks[0]["kept"][v] for v in ("sp", "sp_kept"))
@@ -281,8 +284,8 @@ def test_planner_refuses_only_what_torch_refuses(tp_in_ranks):
     assert plan(shape, 2, GB, pp=2, micro_batches=1, schedule="GPipe").bubble == 1 / 2
     with pytest.raises(ValueError, match="schedule must be one of"):
         plan(shape, 2, GB, pp=2, micro_batches=2, schedule="1f1b")
-    assert dict(planner.refused_layouts(shape, 4, micro_batches=2)).keys() == {"dp=1 x tp=1 x pp=4"}
-    assert not planner.refused_layouts(shape, 4, micro_batches=2, schedule="GPipe")
+    assert dict(refused_layouts(shape, 4, micro_batches=2)).keys() == {"dp=1 x tp=1 x pp=4"}
+    assert not refused_layouts(shape, 4, micro_batches=2, schedule="GPipe")
     # Schedule1F1B with 2 stages: ValueError with 1 micro-batch, none with 2; GPipe takes both.
     if any(rank["1f1b"] is None for rank in tp_in_ranks):
         pytest.skip("torch 2.4's PipelineStage needs example inputs; Schedule1F1B not run")
@@ -313,14 +316,14 @@ def test_fsdp_under_a_pipeline_holds_the_whole_stage_unsharded():
 def test_activations_follow_korthikanti():
     s, b, h, a = 128, 2, 64, 4
     shape = Transformer(layers=6, hidden=h, heads=a, seq_len=s, micro_batch=b)
-    one = planner.activation_bytes_per_layer(shape)
+    one = activation_bytes_per_layer(shape)
     assert one == s * b * h * 34 + 5 * a * s * s * b
-    assert planner.activation_bytes_per_layer(shape, tp=4) == s * b * h * (10 + 24 // 4) + (
+    assert activation_bytes_per_layer(shape, tp=4) == s * b * h * (10 + 24 // 4) + (
         5 * a * s * s * b // 4
     )
-    assert planner.activation_bytes_per_layer(shape, tp=4, sequence_parallel=True) == one // 4
-    assert planner.activation_bytes_per_layer(shape, recompute="selective") == 34 * s * b * h
-    assert planner.activation_bytes_per_layer(shape, recompute="full") == 2 * s * b * h
+    assert activation_bytes_per_layer(shape, tp=4, sequence_parallel=True) == one // 4
+    assert activation_bytes_per_layer(shape, recompute="selective") == 34 * s * b * h
+    assert activation_bytes_per_layer(shape, recompute="full") == 2 * s * b * h
     # 1F1B: the first of 3 stages keeps its 2 layers for 3 micro-batches in flight.
     got = plan(shape, 3, GB, pp=3, micro_batches=8).memory["activations"]
     assert got == one * 2 * 3
@@ -336,11 +339,11 @@ def test_layouts_rank_by_the_rule_not_by_bytes():
     names = {p.layout for p in found}
     # By bytes alone pp=8 (bubble 7/15) would come first: it sends least of all.
     assert min(found, key=lambda p: p.sent_bytes).layout == "dp=1 x tp=1 x pp=8"
-    assert found[0].bubble <= planner.MAX_BUBBLE < found[-1].bubble
-    assert not planner.refused_layouts(shape, 8, micro_batches=8)
+    assert found[0].bubble <= MAX_BUBBLE < found[-1].bubble
+    assert not refused_layouts(shape, 8, micro_batches=8)
     assert {"dp=2 (ZeRO-3) x tp=1 x pp=4", "dp=2 x tp=1 x pp=4"} <= names  # FSDP runs with PP
     few = {p.layout for p in layouts(shape, 8, 80 * GB, recompute="selective", micro_batches=4)}
-    refused = dict(planner.refused_layouts(shape, 8, micro_batches=4))
+    refused = dict(refused_layouts(shape, 8, micro_batches=4))
     assert "dp=1 x tp=1 x pp=8" in refused and not few & set(refused)  # 1F1B: 4 for 8 stages
     gpipe = layouts(shape, 8, 80 * GB, recompute="selective", micro_batches=4, schedule="GPipe")
     assert "dp=1 x tp=1 x pp=8" in {p.layout for p in gpipe}

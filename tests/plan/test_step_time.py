@@ -12,7 +12,9 @@ import pytest
 import mgtutor
 from mgtutor.plan.compute_time import Device, layer_times, logits_times
 from mgtutor.plan.machine import H100_SXM_NODE, MEGATRON_2021, TORCH, Hardware, Link
-from mgtutor.plan.planner import Transformer, plan, refused_layouts
+from mgtutor.plan.plan_rules import refused_layouts
+from mgtutor.plan.planner import plan
+from mgtutor.plan.shape import Transformer
 from mgtutor.plan.step_time import ranked, step_time, time_key
 
 GB = 10**9

@@ -11,7 +11,8 @@ import pytest
 
 from mgtutor.plan.local_sync import METHODS, method_refusal, sync_memory
 from mgtutor.plan.machine import H100_SXM_NODE
-from mgtutor.plan.planner import Transformer, layouts, plan
+from mgtutor.plan.planner import layouts, plan
+from mgtutor.plan.shape import Transformer
 from mgtutor.plan.step_time import step_time
 
 GB = 10**9
