@@ -73,12 +73,20 @@ def test_a_survivor_waiting_in_the_failed_all_reduce_is_released_at_once() -> No
     # Replica 2 enters the all-reduce at step 4 first, the victim dies 0.2 s later, replica 0
     # enters after the death and fails at once. Replica 2 waits on replica 0: it is released
     # when replica 0 drops its group, not at gloo's 20 s timeout (with the group kept, 19 s+).
-    run = run_replicas(3, steps=10, size=SIZE, kills=[4], rejoin_after=2, timeout=90,
-                       straggle={0: 0.6, 1: 0.2})
-    _check(run, 10, [4])
-    waits = [w for rid in (0, 2) for w in run.final[rid]["failed_waits"]]
-    print("seconds each survivor's failed all-reduce took:", [round(w, 2) for w in waits])
-    assert len(waits) == 2 and max(waits) < 10, waits
+    # A busy machine may not keep that order (then neither survivor waits on the other): up to
+    # three runs, the check on the first in which one survivor waited 0.3 s or more.
+    for attempt in range(3):
+        run = run_replicas(3, steps=10, size=SIZE, kills=[4], rejoin_after=2, timeout=90,
+                           straggle={0: 0.6, 1: 0.2})
+        _check(run, 10, [4])
+        waits = sorted(w for rid in (0, 2) for w in run.final[rid]["failed_waits"])
+        print(f"run {attempt}: seconds each survivor's failed all-reduce took:",
+              [round(w, 2) for w in waits])
+        assert len(waits) == 2, waits
+        if waits[1] >= 0.3:  # replica 2 waited for replica 0, as forced
+            assert waits[1] < 10, waits
+            return
+    pytest.skip("the forced order did not happen in 3 runs (a busy machine): nothing checked")
 
 
 @pytest.mark.timeout(120)
