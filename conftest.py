@@ -45,7 +45,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # The files of the README's test command that took 20 s or more on this 2-core machine
-# (pytest --durations, 2026-11-28), longest first.
+# (pytest --durations, 2026-11-28; notebook 19 and test_elastic, merged 2026-11-29, placed by
+# their times alone: about 45 s and 30-60 s), longest first.
 _LONGEST_FIRST = {
     name: i
     for i, name in enumerate(
@@ -54,7 +55,9 @@ _LONGEST_FIRST = {
             "test_launch",
             "test_browser",
             "09_torchrun_multinode",
+            "19_low_communication",
             "02_ddp",
+            "test_elastic",
             "00_setup",
             "test_lifetime",
             "18_step_time",
