@@ -61,6 +61,19 @@ class RankHandle:
         """True when the rank ended its call, one way or the other."""
         return self.done is not None or self.failed_at is not None
 
+    def paused(self) -> bool:
+        """True while the rank's process is stopped: by SIGSTOP, by Ctrl-Z's SIGTSTP, or by a
+        debugger. It then runs nothing, not even its stack dump, until it is continued."""
+        import psutil
+
+        if self.process.pid is None:
+            return False
+        try:
+            status = psutil.Process(self.process.pid).status()
+        except (psutil.Error, ValueError):
+            return False
+        return status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+
 
 def agreed_backend(handles: list[RankHandle]) -> str | None:
     """The backend the ranks' process group uses, as each said when ready; None if they made none.

@@ -50,6 +50,7 @@ def after_interrupt(
     if keep and phase == "running" and not sup.stopped:
         return _interrupt_pool(sup, targets)
     running = [h for h in targets if _alive(h) and not h.answered]
+    paused = _paused_note(running)  # before they are stopped
     diagnosis, stacks = _gathered(sup, running, records=phase == "running")
     cleanup = _stop_anyway(sup)
     sup._drain(0.2)
@@ -60,7 +61,10 @@ def after_interrupt(
     elif phase == "exiting":
         summary = f"The cell was interrupted {_HOW} while the ranks were exiting."
     elif running:
-        summary = f"The cell was interrupted {_HOW} before {ranks_named(running)} finished {work}."
+        summary = (
+            f"The cell was interrupted {_HOW} before {ranks_named(running)} finished {work}."
+            f"{paused}"
+        )
     else:
         summary = f"The cell was interrupted {_HOW} while {work} ran."
     return WorkerInterrupted(
@@ -69,6 +73,18 @@ def after_interrupt(
         stacks=stacks,
         cleanup=cleanup,
         diagnosis=diagnosis,
+    )
+
+
+def _paused_note(ranks: list[RankHandle]) -> str:
+    """A sentence naming the ranks that are stopped (SIGSTOP, Ctrl-Z, a debugger), or ""."""
+    paused = [h for h in ranks if h.paused()]
+    if not paused:
+        return ""
+    was = "was" if len(paused) == 1 else "were"
+    return (
+        f" {ranks_named(paused).capitalize()} {was} stopped (paused by SIGSTOP, Ctrl-Z's SIGTSTP "
+        f"or a debugger): a paused rank runs nothing, and its peers wait for it."
     )
 
 
@@ -99,6 +115,7 @@ def _interrupt_pool(sup: Any, targets: list[RankHandle]) -> WorkerInterrupted:
             f"{_lower(sup.wording.kept)} are kept, with what they hold."
         )
         return WorkerInterrupted(summary, running=[h.rank for h in busy], stacks=where)
+    paused = _paused_note(stuck)  # before they are stopped
     diagnosis, stacks = (None, {}) if pressed_again else _gathered(sup, stuck, records=True)
     cleanup = _stop_anyway(sup)
     sup._drain(0.2)
@@ -106,7 +123,7 @@ def _interrupt_pool(sup: Any, targets: list[RankHandle]) -> WorkerInterrupted:
     summary = (
         f"The cell was interrupted {_HOW} before {ranks_named(busy)} finished {work}; "
         f"{ranks_named(stuck + died)} did not stop within {_INTERRUPT_GRACE_S:g} s (native "
-        f"code such as a collective cannot be interrupted)."
+        f"code such as a collective cannot be interrupted).{paused}"
     )
     return WorkerInterrupted(
         summary,

@@ -94,7 +94,10 @@ def diagnose(
     alive = {
         h.rank: h.process.pid
         for h in handles
-        if h.process.pid is not None and h.process.is_alive() and h.rank in dump_paths
+        if h.process.pid is not None
+        and h.process.is_alive()
+        and h.rank in dump_paths
+        and not h.paused()  # it could not answer: no use waiting for it
     }
     try:
         records: dict[int, Any] = doctor.request_dumps(alive, dump_paths, timeout=1.0)

@@ -207,6 +207,7 @@ class Supervisor(RankWatch):
         starting: bool = False,
     ) -> None:
         running = [h for h in targets if h.process.is_alive() and not h.answered]
+        paused = [h for h in running if h.paused()]
         diagnosis = (
             None if starting else _report.diagnose(self.handles, self.dump_paths, self.wording)
         )
@@ -223,6 +224,23 @@ class Supervisor(RankWatch):
                 f"group, unpickling {self.wording.sent}); every rank was stopped. The stacks "
                 f"below show where they were. On a slow or busy machine, or with torch on a "
                 f"network file system, pass a larger start_timeout (or None for no limit)."
+            )
+        elif paused:
+            one = len(paused) == 1
+            it, was = ("it", "was") if one else ("they", "were")
+            waiting = [h for h in running if h not in paused]
+            waited = (
+                f"{ranks_named(waiting)} waited, most likely for {it if one else 'them'} in a "
+                f"collective (stacks below). "
+                if waiting
+                else ""
+            )
+            summary = (
+                f"{self.wording.work} ran past its timeout of {timeout:g} s: "
+                f"{ranks_named(paused)} {was} stopped (paused by SIGSTOP, Ctrl-Z's SIGTSTP or a "
+                f"debugger), so {it} ran nothing; {waited}A stopped rank goes on only when "
+                f"continued (kill -CONT <pid>), and its peers wait for it until the timeout. "
+                f"Every rank was stopped."
             )
         else:
             summary = (
@@ -241,6 +259,8 @@ class Supervisor(RankWatch):
 
     def _stacks(self, ranks: list[RankHandle]) -> dict[int, str]:
         """Each rank's Python stack now, from its faulthandler (works while it is blocked)."""
+        paused = {h.rank for h in ranks if h.paused()}
+        ranks = [h for h in ranks if h.rank not in paused]
         for h in ranks:
             h.output.diag.clear()
             if h.main_ident is None:
@@ -256,7 +276,12 @@ class Supervisor(RankWatch):
             grew = any(len(h.output.diag) != n for h, n in zip(ranks, before))
             if all(h.output.diag for h in ranks) and not grew:
                 break
-        return {h.rank: _report.format_stack(bytes(h.output.diag), h.main_ident) for h in ranks}
+        stacks = {h.rank: _report.format_stack(bytes(h.output.diag), h.main_ident) for h in ranks}
+        for rank in paused:
+            stacks[rank] = (
+                "  (stopped: a paused process runs nothing, so it cannot write its stack)"
+            )
+        return stacks
 
     # --- the end ----------------------------------------------------------------------------
 

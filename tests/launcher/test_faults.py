@@ -205,6 +205,29 @@ def test_peer_killed_while_the_others_wait_in_a_collective_is_blamed() -> None:
     assert str(info.value).startswith("rank 1 was killed by signal SIGKILL")
 
 
+def test_a_stopped_rank_is_named_as_stopped_not_as_one_more_rank_still_running() -> None:
+    # SIGSTOP (or Ctrl-Z's SIGTSTP, or a debugger) pauses a rank: it neither fails nor answers,
+    # so its peers wait in the collective until the timeout. The error's first line must say
+    # which rank was paused; asking it for its stack would only wait, since it runs nothing.
+    def work() -> None:
+        import torch
+        import torch.distributed as dist
+
+        mgtutor.setup()
+        dist.barrier()
+        if dist.get_rank() == 1:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        dist.all_reduce(torch.ones(1))  # ranks 0 and 2 wait here for rank 1
+
+    with pytest.raises(mgtutor.WorkerTimeout) as info:
+        mgtutor.launch(work, world_size=3, timeout=5)
+    first = str(info.value).splitlines()[0]
+    assert "rank 1 was stopped" in first and "ranks 0, 2 waited" in first, first
+    assert info.value.running == [0, 1, 2], str(info.value)
+    assert "stopped: a paused process runs nothing" in info.value.stacks[1], str(info.value)
+    assert "all_reduce" in info.value.stacks[0], str(info.value)
+
+
 def test_rank_still_exiting_with_cpu_is_given_time(monkeypatch, capfd) -> None:
     # A rank whose process is busy ending after fn returned (here an atexit handler computing
     # for 3 s; on a loaded machine, interpreter shutdown) is not a lingering rank.

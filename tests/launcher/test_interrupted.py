@@ -146,6 +146,21 @@ def test_stop_on_a_hung_pool_run_names_the_stuck_rank_and_stops_its_ranks(
     assert worker_children() == []
 
 
+def test_stop_with_a_paused_rank_says_it_was_stopped(shell, capsys, tmp_path) -> None:
+    # A rank paused by SIGSTOP (Ctrl-Z, a debugger) cannot take the interrupt or write its
+    # stack: the error says it was stopped rather than leaving the learner to guess.
+    marker = tmp_path / "paused"
+    cell = _HANG.replace("time.sleep(3600)", "os.kill(os.getpid(), signal.SIGSTOP)")
+    cell = cell.replace("import pathlib, time", "import os, pathlib, signal, time")
+    assert shell.run_cell(f"{cell}pool = mgtutor.Pool(2)").success
+    _stop_when(marker)
+    _, text = _shown(shell, capsys, f"pool.run(work, {str(marker)!r})")
+    assert "did not stop within 3 s" in text, text
+    assert "Rank 1 was stopped (paused by SIGSTOP" in text, text
+    assert not shell.user_ns["pool"].alive
+    assert worker_children() == []
+
+
 @needs_recorder
 def test_stop_on_a_hung_ddp_cell_names_the_stuck_rank(shell, capsys, tmp_path) -> None:
     marker = tmp_path / "hung"
