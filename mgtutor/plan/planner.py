@@ -60,6 +60,7 @@ from mgtutor.plan.plan_rules import (
     tp_collectives_per_layer,
 )
 from mgtutor.plan.shape import Transformer
+from mgtutor.ring import bytes_sent_on_ring
 
 __all__ = ["BYTES_PER_PARAMETER", "Collective", "Plan", "layouts", "plan"]
 
@@ -155,8 +156,7 @@ class Plan:
 
 
 def _ring(name: str, size: int, buffer: int, calls: int, group: str, every: int = 1) -> Collective:
-    factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[name]
-    sent = calls * factor * (size - 1) * buffer // (size * every)
+    sent = bytes_sent_on_ring(name, size, buffer, calls=calls, every=every)
     return Collective(name, group, size, buffer, calls, sent, every)
 
 
