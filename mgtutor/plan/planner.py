@@ -287,7 +287,7 @@ def plan(
         * in_flight(pp, micro_batches, schedule),
         "logits": 4 * model.micro_batch * model.seq_len * model.vocab // tp if pp == 1 else 0,
     }
-    for category, nbytes in sync_memory(method, held, precision).items():
+    for category, nbytes in sync_memory(method, held).items():
         memory[category] += nbytes
     in_pipeline = fsdp_in_pipeline(dp=dp, pp=pp, zero=zero)
     if in_pipeline:
@@ -299,7 +299,7 @@ def plan(
     if dp > 1:
         grads, params = held * b_grad, held * b_param
         if method != "ddp":
-            synced = held * SYNCED_BYTES[precision]
+            synced = held * SYNCED_BYTES
             collectives.append(_ring("all_reduce", dp, synced, 1, "dp", every=sync_every))
         elif zero == 0:
             collectives.append(_ring("all_reduce", dp, grads, 1, "dp"))
