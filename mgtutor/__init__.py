@@ -46,8 +46,9 @@ from the layers below it (``tests/test_layout.py`` checks it), top first:
   :func:`reduce_sums`), :mod:`mgtutor.checkpoint` (:func:`save_checkpoint` never leaves a
   half-written file); under them :mod:`mgtutor.build` (:func:`~.build.this_build`: the OS,
   Python, torch, CUDA, NCCL, accelerator and torchvision of this build, which every platform
-  branch of the notebooks reads) and :mod:`mgtutor.units` (:func:`~.units.format_bytes`), which
-  import nothing of mgtutor.
+  branch of the notebooks reads), :mod:`mgtutor.units` (:func:`~.units.format_bytes`) and
+  :mod:`mgtutor.ring` (:func:`~.ring.bytes_sent_on_ring`, the bytes one rank sends in a ring
+  collective), which import nothing of mgtutor.
 
 Importing mgtutor does not import torch or matplotlib: every worker imports this package
 first, and a worker's start-up time is the floor of every launch.

@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("worker",),  # setup() and what fn asks of its rank
     ("checkpoint", "data", "errors", "hardware", "metrics", "models"),
     ("build",),  # this_build(): the platform facts every notebook branch reads
-    ("units",),  # format_bytes: imports nothing of mgtutor
+    ("ring", "units"),  # the ring formula, format_bytes: import nothing of mgtutor
 )
 
 

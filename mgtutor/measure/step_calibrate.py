@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from mgtutor.measure.cpu_timing import (
@@ -39,6 +40,7 @@ from mgtutor.plan.shape import Transformer
 __all__ = [
     "CHECK_MODEL",
     "CLOCKS",
+    "Clock",
     "at_rate",
     "calibrate",
     "elementwise_timers",
@@ -93,11 +95,20 @@ def scaled(hardware: Hardware, factor: float, links: float = 1.0) -> Hardware:
     return replace(hardware, device=device, intra=link, inter=link, copy=copy)
 
 
-#: Each clock a real configuration's step and its re-timed rate are read on: its timer, and the
-#: key of :func:`calibrate`'s reference rate on the same clock.
-CLOCKS: dict[str, tuple[Any, str]] = {
-    "cpu": (time.process_time, "reference"),
-    "wall": (time.perf_counter, "reference_wall"),
+@dataclass(frozen=True)
+class Clock:
+    """A clock a real configuration's step and its re-timed rate are read on."""
+
+    #: Seconds on this clock, called before and after what it times.
+    timer: Callable[[], float]
+    #: The key, in :func:`calibrate`'s extra, of the reference rate timed on the same clock.
+    reference_key: str
+
+
+#: Each clock by name (:func:`step_clock`'s answer).
+CLOCKS: dict[str, Clock] = {
+    "cpu": Clock(time.process_time, "reference"),
+    "wall": Clock(time.perf_counter, "reference_wall"),
 }
 
 
@@ -123,10 +134,10 @@ def at_rate(hardware: Hardware, extra: dict[str, Any], ranks: int, rate: float) 
     {(1, 1, 1): 0.5}
     """
     clock = step_clock(ranks)
-    factor = rate / extra[CLOCKS[clock][1]]
+    factor = rate / extra[CLOCKS[clock].reference_key]
     if clock == "cpu":  # the rate, the step and the calibration all per CPU second
         return scaled(hardware, factor)
-    return scaled(hardware, rate / extra[CLOCKS["cpu"][1]], factor)
+    return scaled(hardware, rate / extra[CLOCKS["cpu"].reference_key], factor)
 
 
 def _mean_seconds(fn: Any, calls: int, work: Any = None) -> float:

@@ -49,7 +49,7 @@ def _measure_rank(config: Any, steps: int, window: float, calls: int) -> dict[st
     step()  # warm-up: DDP's buckets, the pipeline's shapes, the allocator
     small = small_calls(config.model) if together and not config.emulated else {}
     clock = "wall" if config.emulated else step_clock(config.ranks)
-    timer = CLOCKS[clock][0]
+    timer = CLOCKS[clock].timer
     rate = f"rate_{clock}"
     out: dict[str, list] = {k: [] for k in ("seconds", rate, "wire", *WINDOW, *small)}
     for _ in range(steps):

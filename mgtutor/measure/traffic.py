@@ -27,14 +27,15 @@ How calls are counted: a ``TorchDispatchMode`` sees every ``c10d`` operator, whi
 library calls; Flight Recorder on gloo misses ``send`` and ``recv``. A dispatch mode holds for
 the thread that enters it (on CPU, autograd runs backward on that thread).
 
-The bytes a GPU sends per call follow the textbook ring on N ranks, written here apart from
-the planner's so that the two can disagree: (N-1)/N of the buffer for an all-gather, a
-reduce-scatter, an all-to-all and a broadcast (on average over the ranks: N-1 of them receive
-it once), 2(N-1)/N for an all-reduce, the whole buffer for a send, nothing for a receive: what
-torch asks of the process group, and what NCCL's ring sends. gloo differs below it: ProcessGroupGloo
-runs a reduce-scatter as an all-reduce of the whole buffer, each rank then keeping its chunk
-(``reduce_scatter_tensor_coalesced``; Flight Recorder names the call ``gloo:all_reduce``), so
-on CPU ranks FSDP's reduce-scatters send twice the ring's bytes: :func:`bytes_written` sees it.
+The bytes a GPU sends per call follow the textbook ring on N ranks, the planner's formula
+(:func:`mgtutor.ring.bytes_sent_on_ring`; the two can disagree on the calls and their buffers):
+(N-1)/N of the buffer for an all-gather, a reduce-scatter, an all-to-all and a broadcast (on
+average over the ranks: N-1 of them receive it once), 2(N-1)/N for an all-reduce, the whole
+buffer for a send, nothing for a receive: what torch asks of the process group, and what NCCL's
+ring sends. gloo differs below it: ProcessGroupGloo runs a reduce-scatter as an all-reduce of
+the whole buffer, each rank then keeping its chunk (``reduce_scatter_tensor_coalesced``; Flight
+Recorder names the call ``gloo:all_reduce``), so on CPU ranks FSDP's reduce-scatters send
+twice the ring's bytes: :func:`bytes_written` sees it.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from mgtutor.measure.written import SocketWrites, bytes_written
 from mgtutor.parallel.tensor import Block
 from mgtutor.plan.planner import Collective
 from mgtutor.plan.shape import Transformer
+from mgtutor.ring import RING_PASSES, bytes_sent_on_ring
 
 __all__ = [
     "Call",
@@ -84,20 +86,12 @@ _NAMES = {
     "recv_": "recv",
     "recv_any_source_": "recv",
 }
-# Passes of (N-1)/N of the buffer one GPU sends, on average over the group's GPUs.
-_RING_PASSES = {
-    "all_reduce": 2,
-    "all_gather": 1,
-    "reduce_scatter": 1,
-    "all_to_all": 1,
-    "broadcast": 1,
-}
 
 
 def _sent(name: str, size: int, nbytes: int) -> int:
     if name == "send":
         return nbytes
-    return _RING_PASSES.get(name, 0) * (size - 1) * nbytes // size
+    return bytes_sent_on_ring(name, size, nbytes) if name in RING_PASSES else 0
 
 
 @dataclass(frozen=True)

@@ -20,17 +20,20 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from mgtutor.ring import bytes_sent_on_ring
+
 __all__ = ["average_", "ring_sent_bytes", "slow_allreduce_hook"]
 
 
 def ring_sent_bytes(nbytes: int, world_size: int) -> int:
-    """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2 (N - 1) / N of the buffer.
+    """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2 (N - 1) / N of the buffer
+    (:func:`mgtutor.ring.bytes_sent_on_ring` for an all-reduce).
 
     Example:
         >>> ring_sent_bytes(1000, 2)
         1000
     """
-    return 2 * (world_size - 1) * nbytes // world_size
+    return bytes_sent_on_ring("all_reduce", world_size, nbytes)
 
 
 def _sleep_for(nbytes: int, world_size: int, seconds_per_byte: float) -> None:

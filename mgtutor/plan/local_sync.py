@@ -38,8 +38,9 @@ METHODS = {
 NAMES = {"localsgd": "LocalSGD", "diloco": "DiLoCo"}
 
 #: Bytes per parameter LocalSGD and DiLoCo all-reduce, and each of DiLoCo's outer momentum and
-#: sync buffers holds, by the planner's precision: float32 weights in each.
-SYNCED_BYTES: dict[str, int] = {"mixed": 4, "fp32": 4, "mixed_fp32_grads": 4}
+#: sync buffers holds, in every precision: float32. torchft sends the parameters in their dtype;
+#: the planner counts the float32 weights the optimizer updates (see the module).
+SYNCED_BYTES = 4
 
 
 def method_refusal(*, method: str, zero: int, sync_every: int) -> str | None:
@@ -69,7 +70,7 @@ def method_refusal(*, method: str, zero: int, sync_every: int) -> str | None:
     return None
 
 
-def sync_memory(method: str, held: int, precision: str) -> dict[str, int]:
+def sync_memory(method: str, held: int) -> dict[str, int]:
     """GPU bytes ``method`` adds to a replica holding ``held`` parameters, by category.
 
     LocalSGD: its clones (communication). DiLoCo: the pseudo-gradients and the local copy
@@ -80,10 +81,10 @@ def sync_memory(method: str, held: int, precision: str) -> dict[str, int]:
     fragment's share of what is counted here.
 
     Example:
-        >>> sync_memory("diloco", 10, "mixed")
+        >>> sync_memory("diloco", 10)
         {'communication': 80, 'optimizer_state': 40}
     """
-    synced = held * SYNCED_BYTES[precision]
+    synced = held * SYNCED_BYTES
     if method == "localsgd":
         return {"communication": synced}
     if method == "diloco":

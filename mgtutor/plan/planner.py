@@ -60,6 +60,7 @@ from mgtutor.plan.plan_rules import (
     tp_collectives_per_layer,
 )
 from mgtutor.plan.shape import Transformer
+from mgtutor.ring import bytes_sent_on_ring
 
 __all__ = ["BYTES_PER_PARAMETER", "Collective", "Plan", "layouts", "plan"]
 
@@ -155,8 +156,7 @@ class Plan:
 
 
 def _ring(name: str, size: int, buffer: int, calls: int, group: str, every: int = 1) -> Collective:
-    factor = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}[name]
-    sent = calls * factor * (size - 1) * buffer // (size * every)
+    sent = bytes_sent_on_ring(name, size, buffer, calls=calls, every=every)
     return Collective(name, group, size, buffer, calls, sent, every)
 
 
@@ -287,7 +287,7 @@ def plan(
         * in_flight(pp, micro_batches, schedule),
         "logits": 4 * model.micro_batch * model.seq_len * model.vocab // tp if pp == 1 else 0,
     }
-    for category, nbytes in sync_memory(method, held, precision).items():
+    for category, nbytes in sync_memory(method, held).items():
         memory[category] += nbytes
     in_pipeline = fsdp_in_pipeline(dp=dp, pp=pp, zero=zero)
     if in_pipeline:
@@ -299,7 +299,7 @@ def plan(
     if dp > 1:
         grads, params = held * b_grad, held * b_param
         if method != "ddp":
-            synced = held * SYNCED_BYTES[precision]
+            synced = held * SYNCED_BYTES
             collectives.append(_ring("all_reduce", dp, synced, 1, "dp", every=sync_every))
         elif zero == 0:
             collectives.append(_ring("all_reduce", dp, grads, 1, "dp"))

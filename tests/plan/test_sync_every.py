@@ -106,8 +106,8 @@ def test_step_time_refuses_what_it_does_not_model():
 
 
 def test_sync_memory_and_method_refusal_directly():
-    assert sync_memory("ddp", P, "mixed") == {}
-    assert sync_memory("localsgd", P, "fp32") == {"communication": 4 * P}
-    assert sync_memory("diloco", P, "mixed") == {"communication": 8 * P, "optimizer_state": 4 * P}
+    assert sync_memory("ddp", P) == {}
+    assert sync_memory("localsgd", P) == {"communication": 4 * P}
+    assert sync_memory("diloco", P) == {"communication": 8 * P, "optimizer_state": 4 * P}
     assert all(method_refusal(method=m, zero=0, sync_every=8 if m != "ddp" else 1) is None
                for m in METHODS)
