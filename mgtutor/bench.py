@@ -174,6 +174,7 @@ def _sweep(
             begun = time.monotonic()  # a second clock around the plain loop, read outside it
             repeats[profiled] = per_call(tensor, iterations, profiled)
             if not profiled:
+                sync()  # on GPUs: a loop that forgot its own wait is still timed in full here
                 outer = time.monotonic() - begun
         means = repeats[False] + [outer] + repeats.get(True, [])
         # On the rank's device: NCCL reduces CUDA tensors only.
