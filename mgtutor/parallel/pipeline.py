@@ -12,10 +12,13 @@ Notebook 15 builds what ``torch.distributed.pipelining`` does and checks it agai
   :class:`HeldMicroBatches` measures, while it runs, how many micro-batches' saved activations
   are really still alive; :class:`P2PCounter` counts the sends and receives that ran.
 
-Stage ``s`` runs on rank ``s`` of the default process group. Sends are ``dist.isend``: with
-blocking sends, 1F1B deadlocks (stage 0 sends an activation while stage 1 sends a gradient,
-each waiting for the other to receive). A send is waited for when the next one of its kind
-goes out, and at the end of :func:`run_order`.
+Stage ``s`` runs on global rank ``ranks[s]``: by default ``s``, the default process group's
+ranks in order; inside a :class:`~.layout.Layout`, ``ranks=groups.pp_ranks``, this rank's
+pipeline-parallel group. "Rank ``stage - 1``" below means the rank of stage ``stage - 1``.
+
+Sends are ``dist.isend``: with blocking sends, 1F1B deadlocks (stage 0 sends an activation
+while stage 1 sends a gradient, each waiting for the other to receive). A send is waited for
+when the next one of its kind goes out, and at the end of :func:`run_order`.
 """
 
 from __future__ import annotations
@@ -79,19 +82,22 @@ class HandStage:
 
     Args:
         module: this stage's layers.
-        stage: its index; it runs on rank ``stage`` and talks to ranks ``stage - 1`` and
-            ``stage + 1``.
+        stage: its index; it runs on rank ``ranks[stage]`` and talks to the ranks of stages
+            ``stage - 1`` and ``stage + 1``.
         n_stages: how many stages (= ranks) the pipeline has.
         shape: the shape of a micro-batch's activation between stages (every boundary alike).
         dtype: its dtype.
         loss_fn: ``loss_fn(output, target) -> scalar``, needed by the last stage.
+        ranks: the global rank of each stage (``groups.pp_ranks`` of a layout); None for
+            ``range(n_stages)``.
 
     Raises:
-        ValueError: the last stage was given no ``loss_fn``.
+        ValueError: the last stage was given no ``loss_fn``; ``ranks`` is not ``n_stages``
+            distinct ranks, or does not put this stage on this rank.
 
     Attributes:
         sent: one ``(kind, peer, nbytes)`` per message sent, kind ``"activation"`` or
-            ``"gradient"``.
+            ``"gradient"``, peer the global rank it went to.
         losses: the last stage's loss per micro-batch, in the order computed.
     """
 
@@ -103,8 +109,11 @@ class HandStage:
         shape: Sequence[int],
         dtype: torch.dtype = torch.float32,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self.module, self.stage, self.n_stages = module, stage, n_stages
+        self.ranks = list(range(n_stages) if ranks is None else ranks)
+        _check_ranks(self.ranks, stage, n_stages)
         self.shape, self.dtype, self.loss_fn = tuple(shape), dtype, loss_fn
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         if self.is_last and loss_fn is None:
@@ -118,11 +127,11 @@ class HandStage:
         self._pending: dict[str, dist.Work] = {}  # the last send of each kind
 
     def receive(self, kind: str) -> torch.Tensor:
-        """Receive one micro-batch's ``"activation"`` (from rank ``stage - 1``) or
-        ``"gradient"`` (from rank ``stage + 1``), of ``shape``; sends nothing."""
+        """Receive one micro-batch's ``"activation"`` (from stage ``stage - 1``'s rank) or
+        ``"gradient"`` (from stage ``stage + 1``'s), of ``shape``; sends nothing."""
         peer = self.stage - 1 if kind == "activation" else self.stage + 1
         tensor = torch.empty(self.shape, dtype=self.dtype)
-        dist.recv(tensor, src=peer)
+        dist.recv(tensor, src=self.ranks[peer])
         return tensor
 
     def forward(
@@ -177,14 +186,30 @@ class HandStage:
             work.wait()
         self._pending.clear()
 
-    def _send(self, kind: str, tensor: torch.Tensor, peer: int) -> None:
+    def _send(self, kind: str, tensor: torch.Tensor, stage: int) -> None:
         # A pending send holds its tensor, and gloo marks it completed only once waited on:
         # wait for the previous send of this kind (received by now in GPipe and 1F1B, as in
         # torch's schedules), or every micro-batch's output would live until the step's end.
         self.wait_sent(kind)
         tensor = tensor.contiguous()
+        peer = self.ranks[stage]  # the global rank of the stage it goes to
         self._pending[kind] = dist.isend(tensor, dst=peer)
         self.sent.append((kind, peer, tensor.numel() * tensor.element_size()))
+
+
+def _check_ranks(ranks: list[int], stage: int, n_stages: int) -> None:
+    """ValueError unless ``ranks`` names ``n_stages`` distinct ranks, this stage's this rank's."""
+    if len(ranks) != n_stages or len(set(ranks)) != n_stages:
+        raise ValueError(
+            f"stage {stage}: ranks={ranks} must name {n_stages} distinct global ranks, one per "
+            "stage (inside a Layout: ranks=groups.pp_ranks)"
+        )
+    if dist.is_initialized() and dist.get_rank() != ranks[stage]:
+        raise ValueError(
+            f"rank {dist.get_rank()} runs stage {stage}, but ranks={ranks} puts stage {stage} "
+            f"on rank {ranks[stage]}: inside a Layout pass ranks=groups.pp_ranks and "
+            "stage=groups.pp_rank"
+        )
 
 
 class HeldMicroBatches:
