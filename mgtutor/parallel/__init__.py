@@ -18,7 +18,10 @@
   results merged by their log-sum-exps, differentiable), and the contiguous and zig-zag
   splits of a sequence (notebook 14).
 * :mod:`.pipeline`: a model cut into stages, a stage that sends activations forward and
-  gradients back with send/recv, the GPipe and 1F1B orders and their bubble (notebook 15).
+  gradients back with send/recv, on the default ranks or a layout's pipeline group
+  (``ranks=groups.pp_ranks``) (notebook 15).
+* :mod:`.pipeline_orders`: the GPipe and 1F1B orders, their tick tables and their bubble, in
+  pure Python (re-exported by :mod:`.pipeline`).
 * :mod:`.expert`: a top-k router, the all-to-all that dispatches tokens to their experts' ranks
   and combines them back, and a mixture-of-experts layer whose ranks hold only their experts
   (notebook 16).

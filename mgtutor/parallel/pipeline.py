@@ -6,20 +6,19 @@ Notebook 15 builds what ``torch.distributed.pipelining`` does and checks it agai
 * :class:`HandStage` is one stage on its rank: its forward receives the activation from the
   stage before and sends its output to the stage after; its backward receives the gradient of
   its output from the stage after and sends the gradient of its input to the stage before.
-* :func:`gpipe_order` and :func:`one_f_one_b_order` are the two classic schedules, as the list
-  of actions each stage runs; :func:`tick_table` plays them with one tick per action, which
-  gives the bubble exactly; :func:`bubble_fraction` is the formula it matches;
-  :func:`max_in_flight` counts the micro-batches an order keeps in flight.
-  :func:`replay_ticks` plays any schedule's per-rank actions (several stages per rank, split
-  backwards) the same way, e.g. torch's interleaved 1F1B.
+* :mod:`.pipeline_orders` holds the orders the stages run (GPipe, 1F1B), their tick tables
+  and the bubble's formula; its names are importable from here too.
 * :func:`run_order` runs a stage's actions, timing each as an mgtutor phase;
   :class:`HeldMicroBatches` measures, while it runs, how many micro-batches' saved activations
   are really still alive; :class:`P2PCounter` counts the sends and receives that ran.
 
-Stage ``s`` runs on rank ``s`` of the default process group. Sends are ``dist.isend``: with
-blocking sends, 1F1B deadlocks (stage 0 sends an activation while stage 1 sends a gradient,
-each waiting for the other to receive). A send is waited for when the next one of its kind
-goes out, and at the end of :func:`run_order`.
+Stage ``s`` runs on global rank ``ranks[s]``: by default ``s``, the default process group's
+ranks in order; inside a :class:`~.layout.Layout`, ``ranks=groups.pp_ranks``, this rank's
+pipeline-parallel group. "Rank ``stage - 1``" below means the rank of stage ``stage - 1``.
+
+Sends are ``dist.isend``: with blocking sends, 1F1B deadlocks (stage 0 sends an activation
+while stage 1 sends a gradient, each waiting for the other to receive). A send is waited for
+when the next one of its kind goes out, and at the end of :func:`run_order`.
 """
 
 from __future__ import annotations
@@ -35,6 +34,17 @@ from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mgtutor.parallel.pipeline_orders import (
+    Action,
+    bubble_fraction,
+    gpipe_order,
+    max_in_flight,
+    one_f_one_b_order,
+    replay_ticks,
+    tick_table,
+)
+
+# The orders' names are re-exported: notebook 15 reads them as ``pipeline.gpipe_order``.
 __all__ = [
     "HandStage",
     "HeldMicroBatches",
@@ -48,8 +58,6 @@ __all__ = [
     "split_stages",
     "tick_table",
 ]
-
-Action = tuple[str, int]  # ("F", micro-batch) or ("B", micro-batch)
 
 
 def split_stages(model: nn.Sequential, n_stages: int) -> list[nn.Sequential]:
@@ -74,19 +82,22 @@ class HandStage:
 
     Args:
         module: this stage's layers.
-        stage: its index; it runs on rank ``stage`` and talks to ranks ``stage - 1`` and
-            ``stage + 1``.
+        stage: its index; it runs on rank ``ranks[stage]`` and talks to the ranks of stages
+            ``stage - 1`` and ``stage + 1``.
         n_stages: how many stages (= ranks) the pipeline has.
         shape: the shape of a micro-batch's activation between stages (every boundary alike).
         dtype: its dtype.
         loss_fn: ``loss_fn(output, target) -> scalar``, needed by the last stage.
+        ranks: the global rank of each stage (``groups.pp_ranks`` of a layout); None for
+            ``range(n_stages)``.
 
     Raises:
-        ValueError: the last stage was given no ``loss_fn``.
+        ValueError: the last stage was given no ``loss_fn``; ``ranks`` is not ``n_stages``
+            distinct ranks, or does not put this stage on this rank.
 
     Attributes:
         sent: one ``(kind, peer, nbytes)`` per message sent, kind ``"activation"`` or
-            ``"gradient"``.
+            ``"gradient"``, peer the global rank it went to.
         losses: the last stage's loss per micro-batch, in the order computed.
     """
 
@@ -98,8 +109,11 @@ class HandStage:
         shape: Sequence[int],
         dtype: torch.dtype = torch.float32,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        ranks: Sequence[int] | None = None,
     ) -> None:
         self.module, self.stage, self.n_stages = module, stage, n_stages
+        self.ranks = list(range(n_stages) if ranks is None else ranks)
+        _check_ranks(self.ranks, stage, n_stages)
         self.shape, self.dtype, self.loss_fn = tuple(shape), dtype, loss_fn
         self.is_first, self.is_last = stage == 0, stage == n_stages - 1
         if self.is_last and loss_fn is None:
@@ -113,11 +127,11 @@ class HandStage:
         self._pending: dict[str, dist.Work] = {}  # the last send of each kind
 
     def receive(self, kind: str) -> torch.Tensor:
-        """Receive one micro-batch's ``"activation"`` (from rank ``stage - 1``) or
-        ``"gradient"`` (from rank ``stage + 1``), of ``shape``; sends nothing."""
+        """Receive one micro-batch's ``"activation"`` (from stage ``stage - 1``'s rank) or
+        ``"gradient"`` (from stage ``stage + 1``'s), of ``shape``; sends nothing."""
         peer = self.stage - 1 if kind == "activation" else self.stage + 1
         tensor = torch.empty(self.shape, dtype=self.dtype)
-        dist.recv(tensor, src=peer)
+        dist.recv(tensor, src=self.ranks[peer])
         return tensor
 
     def forward(
@@ -172,115 +186,30 @@ class HandStage:
             work.wait()
         self._pending.clear()
 
-    def _send(self, kind: str, tensor: torch.Tensor, peer: int) -> None:
+    def _send(self, kind: str, tensor: torch.Tensor, stage: int) -> None:
         # A pending send holds its tensor, and gloo marks it completed only once waited on:
         # wait for the previous send of this kind (received by now in GPipe and 1F1B, as in
         # torch's schedules), or every micro-batch's output would live until the step's end.
         self.wait_sent(kind)
         tensor = tensor.contiguous()
+        peer = self.ranks[stage]  # the global rank of the stage it goes to
         self._pending[kind] = dist.isend(tensor, dst=peer)
         self.sent.append((kind, peer, tensor.numel() * tensor.element_size()))
 
 
-def gpipe_order(n_micro: int) -> list[Action]:
-    """GPipe: every micro-batch forward, then every one backward (the same on every stage)."""
-    return [("F", i) for i in range(n_micro)] + [("B", i) for i in range(n_micro)]
-
-
-def one_f_one_b_order(stage: int, n_stages: int, n_micro: int) -> list[Action]:
-    """1F1B: ``n_stages - 1 - stage`` forwards to fill the pipe, then one forward and one
-    backward in turn, then the backwards left (as torch's ``Schedule1F1B``)."""
-    warmup = min(n_stages - 1 - stage, n_micro)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(warmup, n_micro):
-        order += [("F", i), ("B", i - warmup)]
-    return order + [("B", i) for i in range(n_micro - warmup, n_micro)]
-
-
-Length = Callable[[int, str], int]  # (stage, kind) -> how many ticks the action lasts
-
-
-def tick_table(
-    orders: Sequence[Sequence[Action]], length: Length | None = None
-) -> list[list[Action | None]]:
-    """:func:`replay_ticks` with one stage per rank: what each stage runs at each tick, None when
-    idle (the bubble). ``F`` i on stage s waits for ``F`` i on stage s - 1, ``B`` i for ``B`` i on
-    stage s + 1 (the last stage's for its own ``F``). ValueError if the orders deadlock."""
-    ticks = replay_ticks(
-        [[(s, kind, i) for kind, i in o] for s, o in enumerate(orders)], len(orders), length
-    )
-    return [[None if a is None else a[1:] for a in row] for row in ticks]
-
-
-Step = tuple[int, str, int]  # (stage, kind, micro-batch), kind "F", "B", "I" or "W"
-
-
-def replay_ticks(
-    orders: Sequence[Sequence[Step]], n_stages: int, length: Length | None = None
-) -> list[list[Step | None]]:
-    """Play each rank's actions, one tick each, as early as the data allows (free messages).
-
-    A rank may run several stages (interleaved and V schedules). ``F`` of micro-batch i on
-    stage s waits for ``F`` i on stage s - 1; ``B`` (full backward) or ``I`` (input gradient)
-    i on stage s for ``B`` or ``I`` i on stage s + 1, the last stage's for its own ``F``; ``W``
-    (weight gradient) i for ``I`` i on the same stage. A rank runs its actions in its order.
-    ``length(stage, kind)``, if given, is how many ticks (1 or more) an action fills in its
-    row; what waits for it waits for its last.
-
-    Returns:
-        One row per rank: what it runs at each tick, None when idle.
-
-    Raises:
-        ValueError: the orders wait for each other forever (a deadlock).
-    """
-    n = len(orders)
-    done: dict[tuple[int, str, int], int] = {}  # (stage, "F"/"B"/"W", mb): its last tick
-    position, rows, tick, busy_until = [0] * n, [[] for _ in range(n)], 0, [-1] * n
-    while any(position[r] < len(orders[r]) or busy_until[r] >= tick for r in range(n)):
-        ran = False
-        for r in range(n):
-            if busy_until[r] >= tick:  # still running the action it started
-                rows[r].append(rows[r][-1])
-                ran = True
-                continue
-            if position[r] == len(orders[r]):
-                rows[r].append(None)
-                continue
-            s, kind, i = orders[r][position[r]]
-            need = {
-                "F": (s - 1, "F", i) if s > 0 else None,
-                "W": (s, "B", i),
-            }.get(kind, (s + 1, "B", i) if s < n_stages - 1 else (s, "F", i))
-            if need is None or done.get(need, tick) < tick:
-                rows[r].append((s, kind, i))
-                busy_until[r] = tick + (1 if length is None else length(s, kind)) - 1
-                done[(s, "B" if kind == "I" else kind, i)] = busy_until[r]
-                position[r] += 1
-                ran = True
-            else:
-                rows[r].append(None)
-        if not ran:
-            raise ValueError(f"the orders deadlock at tick {tick}: positions {position}")
-        tick += 1
-    while all(row and row[-1] is None for row in rows):
-        for row in rows:
-            row.pop()
-    return rows
-
-
-def bubble_fraction(n_stages: int, n_micro: int) -> float:
-    """The idle share of a GPipe or 1F1B step with equal stages (a backward need not take a
-    forward's time) and free messages: ``(p - 1) / (m + p - 1)``, on every stage."""
-    return (n_stages - 1) / (n_micro + n_stages - 1)
-
-
-def max_in_flight(order: Sequence[Action]) -> int:
-    """The most micro-batches forwarded and not yet backward at once, in this order."""
-    live, most = 0, 0
-    for kind, _ in order:
-        live += 1 if kind == "F" else -1
-        most = max(most, live)
-    return most
+def _check_ranks(ranks: list[int], stage: int, n_stages: int) -> None:
+    """ValueError unless ``ranks`` names ``n_stages`` distinct ranks, this stage's this rank's."""
+    if len(ranks) != n_stages or len(set(ranks)) != n_stages:
+        raise ValueError(
+            f"stage {stage}: ranks={ranks} must name {n_stages} distinct global ranks, one per "
+            "stage (inside a Layout: ranks=groups.pp_ranks)"
+        )
+    if dist.is_initialized() and dist.get_rank() != ranks[stage]:
+        raise ValueError(
+            f"rank {dist.get_rank()} runs stage {stage}, but ranks={ranks} puts stage {stage} "
+            f"on rank {ranks[stage]}: inside a Layout pass ranks=groups.pp_ranks and "
+            "stage=groups.pp_rank"
+        )
 
 
 class HeldMicroBatches:

@@ -114,6 +114,13 @@ def test_the_last_stage_refuses_to_start_without_a_loss() -> None:
     HandStage(nn.Linear(2, 2), 0, 2, (1, 2))  # the first stage needs none
 
 
+def test_a_stage_refuses_ranks_that_are_not_one_distinct_rank_per_stage() -> None:
+    for ranks in ([0, 4, 8], [4, 4]):
+        with pytest.raises(ValueError, match=r"stage 0: ranks=.* must name 2 distinct global"):
+            HandStage(nn.Linear(2, 2), 0, 2, (1, 2), ranks=ranks)
+    assert HandStage(nn.Linear(2, 2), 0, 2, (1, 2), ranks=[4, 0]).ranks == [4, 0]
+
+
 class _LeakyStage(HandStage):
     """A stage that forgets to let go: it keeps every micro-batch's input and output."""
 
