@@ -1,6 +1,6 @@
 """A pipeline inside a layout: dp x tp x pp on 8 gloo ranks (and dp x pp on 4) equals one process.
 
-One launch per layout (cached for the module) builds ``layout.groups()``. The model is two
+One launch per layout (cached for the module) builds ``build_groups(layout)``. The model is two
 seeded :class:`~mgtutor.parallel.tensor.Block` s; stage ``p`` holds block ``p``, split over its
 tensor-parallel group (:class:`~mgtutor.parallel.tensor.ParallelBlock`). Each data-parallel
 replica takes its half of a seeded global batch and runs GPipe with 2 micro-batches through
@@ -23,7 +23,7 @@ from torch import nn
 
 import mgtutor
 from mgtutor.parallel import tensor as tp
-from mgtutor.parallel.layout import Layout
+from mgtutor.parallel.layout import Layout, build_groups
 from mgtutor.parallel.pipeline import HandStage, gpipe_order, run_order
 
 DIM, HEADS, HIDDEN, BATCH, SEQ = 8, 4, 16, 4, 4  # BATCH: the global batch, split over dp
@@ -76,7 +76,7 @@ def _one_step(model, x, y, groups, average_over: str) -> dict[str, Any]:
 
 def _worker(layout: Layout) -> dict[str, Any]:
     mgtutor.setup(backend="gloo")
-    groups = layout.groups()
+    groups = build_groups(layout)
     model, x, y = _seeded()
     whole, loss = _reference(model, x, y)
     try:  # the stage on the default ranks, stage s on rank s: wrong inside a layout
