@@ -4,8 +4,8 @@
 module checks it on CPU ranks and says where torch 2.14 does something else:
 
 * :func:`record_collectives` writes down, inside a rank, every call that reaches a process
-  group (name, group size, bytes of the whole buffer); :func:`tally` groups them as the
-  planner's :class:`~mgtutor.plan.planner.Collective`, with the bytes one GPU sends.
+  group (name, the group's size and name, bytes of the whole buffer); :func:`tally` groups
+  them as the planner's :class:`~mgtutor.plan.planner.Collective`, with the bytes one GPU sends.
 * :func:`build` makes the modules a :class:`~mgtutor.plan.shape.Transformer` describes
   (an embedding, then one :class:`mgtutor.parallel.tensor.Block` per layer), so the ranks run
   the very parameter count the planner plans.
