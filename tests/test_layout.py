@@ -32,7 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("worker",),  # setup() and what fn asks of its rank
     ("checkpoint", "data", "errors", "hardware", "metrics", "models"),
     ("build",),  # this_build(): the platform facts every notebook branch reads
-    ("ring", "units"),  # the ring formula, format_bytes: import nothing of mgtutor
+    ("grid", "ring", "units"),  # Layout, the ring formula, format_bytes: import nothing of mgtutor
 )
 
 

@@ -4,8 +4,8 @@
 module checks it on CPU ranks and says where torch 2.14 does something else:
 
 * :func:`record_collectives` writes down, inside a rank, every call that reaches a process
-  group (name, group size, bytes of the whole buffer); :func:`tally` groups them as the
-  planner's :class:`~mgtutor.plan.planner.Collective`, with the bytes one GPU sends.
+  group (name, the group's size and name, bytes of the whole buffer); :func:`tally` groups
+  them as the planner's :class:`~mgtutor.plan.planner.Collective`, with the bytes one GPU sends.
 * :func:`build` makes the modules a :class:`~mgtutor.plan.shape.Transformer` describes
   (an embedding, then one :class:`mgtutor.parallel.tensor.Block` per layer), so the ranks run
   the very parameter count the planner plans.
@@ -102,13 +102,15 @@ class Call:
     output, a reduce-scatter's input, a send's tensor), the planner's convention; ``size`` is
     the group's number of ranks; ``op`` the c10d operator (``_allgather_base_``). Operators
     the planner has no name for (``barrier``, ``gather_``) keep their own and count no bytes
-    sent.
+    sent. ``group`` is the process group's ``group_name``, which tells apart groups of one size
+    (a layout's dp, tp and pp groups: compare with ``groups.dp_group.group_name``).
     """
 
     name: str
     size: int
     nbytes: int
     op: str
+    group: str = ""
 
     @property
     def sent_bytes(self) -> int:
@@ -124,13 +126,13 @@ def _nbytes(arg: Any) -> int:
     return 0
 
 
-def _group_size(args: tuple[Any, ...]) -> int:
+def _process_group(args: tuple[Any, ...]) -> Any:
     import torch.distributed as dist
 
     for arg in args:
         if isinstance(arg, torch.ScriptObject):
             try:
-                return dist.ProcessGroup.unbox(arg).size()
+                return dist.ProcessGroup.unbox(arg)
             except RuntimeError:  # a ReduceOp, the other script object c10d operators take
                 continue
     raise ValueError("a c10d operator without a process group: cannot tell its group's size")
@@ -147,7 +149,9 @@ class _Recorder(TorchDispatchMode):
             # The largest tensor argument is the whole buffer: an all-gather's output, a
             # reduce-scatter's input, the one tensor of the others.
             nbytes = max(_nbytes(a) for a in (*args, *(kwargs or {}).values()))
-            self.calls.append(Call(_NAMES.get(op, op), _group_size(args), nbytes, op))
+            group = _process_group(args)
+            name = _NAMES.get(op, op)
+            self.calls.append(Call(name, group.size(), nbytes, op, group.group_name))
         return func(*args, **(kwargs or {}))
 
 

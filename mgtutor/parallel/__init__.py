@@ -1,7 +1,8 @@
 """What the notebooks build by hand, as reusable, tested parts.
 
-* :mod:`.layout`: :class:`~.layout.Layout`, a dp x tp x pp grid of ranks, and the process
-  group of each axis that the parallel pieces take (``group=``), so the axes combine.
+* :mod:`.layout`: :func:`~.layout.build_groups`, the process group of each axis of a
+  :class:`mgtutor.grid.Layout` (a dp x tp x pp grid of ranks, re-exported there) that the
+  parallel pieces take (``group=``), so the axes combine.
 * :mod:`.syncbn`: :class:`~.syncbn.SyncBatchNorm`, batch statistics over all ranks, also on CPU
   ranks (notebook 04).
 * :mod:`.tensor_comms`: the autograd functions that carry tensor and sequence parallelism's

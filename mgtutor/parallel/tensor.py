@@ -4,7 +4,7 @@ A transformer block of one process (:class:`Block`: LayerNorm, :class:`Attention
 :class:`MLP`, each branch with dropout and a residual) and the same block split over the ranks of
 a process group (:class:`ParallelBlock`), as Megatron-LM splits it. Each piece takes ``group``,
 the tensor-parallel ranks (None: the default group, every rank); with data parallelism as well,
-it is ``Layout(...).groups().tp_group`` (:mod:`.layout`):
+it is ``build_groups(Layout(...)).tp_group`` (:mod:`.layout`):
 
 * :class:`ColumnParallelLinear`: rank r keeps rows r of the weight (``torch.chunk`` along the
   output features) and computes its share of the outputs; the input must be whole on every rank.

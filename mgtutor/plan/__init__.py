@@ -21,7 +21,8 @@
 * :mod:`.activation_plan`: the activations one layer keeps for backward, term by term
   (Korthikanti et al.), with the element and dropout-mask bytes as parameters.
 
-Where it stands: a plan imports nothing of mgtutor but :mod:`mgtutor.units`; what measures a
+Where it stands: a plan imports nothing of mgtutor but :mod:`mgtutor.units`, :mod:`mgtutor.ring`
+and :mod:`mgtutor.grid` (the :class:`~mgtutor.grid.Layout` it takes and keeps); what measures a
 run (:mod:`mgtutor.measure`) imports the plan, to set what ran beside what was predicted.
 Nothing here imports torch at import time.
 """

@@ -7,6 +7,8 @@ runs (``tests/plan/test_planner.py``):
 * :func:`tp_collectives_per_layer`: the tensor- and sequence-parallel collectives one layer runs
   per micro-batch, counted on 2 CPU ranks with :class:`mgtutor.parallel.gpt_layer.ParallelGPTLayer`
   (and ``torch.utils.checkpoint`` around it for full recomputation).
+* :func:`grid_of`: the :class:`~mgtutor.grid.Layout` a plan is for, from ``layout=`` or from
+  dp, tp and pp, checked against the number of GPUs.
 * :func:`refusal`: why torch does not run a pipeline, or None; :func:`in_flight`, the
   micro-batches a stage keeps activations for, by schedule (:data:`SCHEDULES`);
   :func:`fsdp_in_pipeline`, when FSDP holds a whole stage unsharded within the step.
@@ -19,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from mgtutor.grid import Layout
+
 __all__ = [
     "MAX_BUBBLE",
     "RANKING_RULE",
@@ -27,6 +31,7 @@ __all__ = [
     "bubble_scaled_bytes",
     "candidate_layouts",
     "fsdp_in_pipeline",
+    "grid_of",
     "in_flight",
     "rank_key",
     "refusal",
@@ -102,6 +107,37 @@ def refusal(*, pp: int, micro_batches: int, schedule: str = "1F1B") -> str | Non
             "2.11 to 2.15); use at least as many micro-batches as stages, or GPipe"
         )
     return None
+
+
+def grid_of(
+    gpus: int, dp: int | None, tp: int | None, pp: int | None, layout: Layout | None
+) -> Layout:
+    """The grid a plan is for: ``layout``, or the one dp, tp and pp name (dp: what is left).
+
+    Raises:
+        ValueError: ``layout`` together with dp, tp or pp; a grid of another size than
+            ``gpus``; a size below 1.
+    """
+    if layout is not None:
+        if (dp, tp, pp) != (None, None, None):
+            raise ValueError(
+                f"plan: got layout={layout} and dp={dp}, tp={tp}, pp={pp}; pass one: the "
+                "Layout already names every axis"
+            )
+        if layout.world_size != gpus:
+            raise ValueError(
+                f"plan: {layout} needs dp*tp*pp = {layout.world_size} GPUs, got gpus={gpus}: "
+                f"pass gpus={layout.world_size} or another layout"
+            )
+        return layout
+    tp, pp = 1 if tp is None else tp, 1 if pp is None else pp
+    dp = gpus // (tp * pp) if dp is None else dp
+    if min(dp, tp, pp, gpus) < 1 or dp * tp * pp != gpus:
+        raise ValueError(
+            f"dp x tp x pp must equal gpus ({gpus}) with every size at least 1; got dp={dp}, "
+            f"tp={tp}, pp={pp}: choose sizes whose product is the number of GPUs"
+        )
+    return Layout(dp=dp, tp=tp, pp=pp)
 
 
 def fsdp_in_pipeline(*, dp: int, pp: int, zero: int) -> bool:

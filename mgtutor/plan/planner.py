@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mgtutor.grid import Layout
 from mgtutor.plan.activation_plan import (
     ACTIVATIONS_SOURCE,
     ELEMENT_BYTES,
@@ -54,6 +55,7 @@ from mgtutor.plan.plan_rules import (
     bubble,
     candidate_layouts,
     fsdp_in_pipeline,
+    grid_of,
     in_flight,
     rank_key,
     refusal,
@@ -154,6 +156,11 @@ class Plan:
             stage = f" ({NAMES[self.method]}, H={self.sync_every})"
         return f"dp={self.dp}{stage} x tp={self.tp} x pp={self.pp}"
 
+    @property
+    def grid(self) -> Layout:
+        """The :class:`~mgtutor.grid.Layout` planned, the object the ranks run on."""
+        return Layout(dp=self.dp, tp=self.tp, pp=self.pp)
+
 
 def _ring(name: str, size: int, buffer: int, calls: int, group: str, every: int = 1) -> Collective:
     sent = bytes_sent_on_ring(name, size, buffer, calls=calls, every=every)
@@ -166,8 +173,9 @@ def plan(
     gpu_memory: int,
     *,
     dp: int | None = None,
-    tp: int = 1,
-    pp: int = 1,
+    tp: int | None = None,
+    pp: int | None = None,
+    layout: Layout | None = None,
     zero: int = 0,
     precision: str = "mixed",
     micro_batches: int = 1,
@@ -220,8 +228,9 @@ def plan(
         gpus: number of GPUs; must equal dp x tp x pp.
         gpu_memory: bytes of memory per GPU.
         dp: data-parallel size; ``gpus // (tp * pp)`` by default.
-        tp: tensor-parallel size.
-        pp: pipeline-parallel size.
+        tp: tensor-parallel size (1 by default).
+        pp: pipeline-parallel size (1 by default).
+        layout: the three sizes as one :class:`~mgtutor.grid.Layout`, instead of dp, tp, pp.
         zero: ZeRO stage over the data-parallel group, 0 (plain DDP) to 3 (FSDP).
         precision: "mixed" or "fp32" (keys of :data:`BYTES_PER_PARAMETER`).
         micro_batches: micro-batches per optimizer step (gradient accumulation or pipeline).
@@ -239,7 +248,8 @@ def plan(
         The :class:`Plan` of the busiest GPU.
 
     Raises:
-        ValueError: if the layout does not multiply to ``gpus``, a size is below 1, the
+        ValueError: if the layout does not multiply to ``gpus``, a size is below 1 (or
+            ``layout`` comes with dp, tp or pp: :func:`~mgtutor.plan.plan_rules.grid_of`), the
             heads do not split over ``tp``, ``pp`` exceeds the layers, ``zero``, ``precision``
             or ``schedule`` is unknown, or torch does not run the pipeline
             (:func:`~mgtutor.plan.plan_rules.refusal` says why), or ``method`` is refused
@@ -248,12 +258,10 @@ def plan(
     Example:
         >>> plan(Transformer(layers=32, hidden=4096, heads=32, seq_len=4096), 8, 80 * 10**9).fits
     """
-    dp = gpus // (tp * pp) if dp is None else dp
-    if min(dp, tp, pp, gpus, micro_batches) < 1 or dp * tp * pp != gpus:
-        raise ValueError(
-            f"dp x tp x pp must equal gpus ({gpus}) with every size at least 1; got dp={dp}, "
-            f"tp={tp}, pp={pp}: choose sizes whose product is the number of GPUs"
-        )
+    grid = grid_of(gpus, dp, tp, pp, layout)
+    dp, tp, pp = grid.dp, grid.tp, grid.pp
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches must be 1 or more, got {micro_batches}")
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"zero must be a ZeRO stage, 0 to 3, got {zero!r}")
     if precision not in BYTES_PER_PARAMETER:

@@ -1,13 +1,13 @@
-"""mgtutor.parallel.layout: the rank grid by formula, and dp x tp on 4 ranks equal to one process.
+"""mgtutor.parallel.layout: a layout's process groups, and dp x tp on 4 ranks equal to one process.
 
-The grid's numbering, its groups and its checks need no process. One launch of 4 gloo ranks
-(``measured``, cached for the module) builds ``Layout(dp=2, tp=2).groups()``; each tensor-parallel
-pair splits the same seeded :class:`~mgtutor.parallel.tensor.Block` over its tp group, each
-data-parallel replica takes its half of a seeded global batch, and the gradients are averaged
-over the dp group by hand. In float64 the loss and every gradient must equal one process on the
-whole batch, with and without sequence parallelism. The same launch runs the two ways of mixing
-up the groups (averaging over tp instead of dp; the pieces on the default group instead of tp),
-which must miss.
+The grid's numbering and checks need no process (tests/test_grid.py). One launch of 4 gloo ranks
+(``measured``, cached for the module) builds ``build_groups(Layout(dp=2, tp=2))``; each
+tensor-parallel pair splits the same seeded :class:`~mgtutor.parallel.tensor.Block` over its
+tp group, each data-parallel replica takes its half of a seeded global batch, and the gradients
+are averaged over the dp group by hand. In float64 the loss and every gradient must equal one
+process on the whole batch, with and without sequence parallelism. The same launch runs the two
+ways of mixing up the groups (averaging over tp instead of dp; the pieces on the default group
+instead of tp), which must miss.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 import mgtutor
 from mgtutor.parallel import tensor as tp
-from mgtutor.parallel.layout import Layout
+from mgtutor.parallel.layout import Layout, build_groups
 
 DIM, HEADS, HIDDEN, BATCH, SEQ = 8, 4, 16, 4, 4  # BATCH: the global batch, split over dp
 TOLERANCE = 1e-10
@@ -33,41 +33,10 @@ VARIANTS = {
 }
 
 
-def test_layout_counts_its_ranks_and_numbers_them_tp_first() -> None:
-    layout = Layout(dp=2, tp=2, pp=2)
-    assert layout.world_size == 8 and Layout().world_size == 1
-    assert layout.group_ranks("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    assert layout.group_ranks("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert layout.group_ranks("pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert layout.coordinates(6) == {"dp": 1, "tp": 0, "pp": 1}
-    for rank in range(layout.world_size):
-        assert layout.rank_of(**layout.coordinates(rank)) == rank
-    assert Layout(dp=3, tp=1).group_ranks("dp") == [[0, 1, 2]]
-    assert Layout(dp=3, tp=1).group_ranks("tp") == [[0], [1], [2]]
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "field"),
-    [({"dp": 0}, "dp"), ({"tp": -2}, "tp"), ({"pp": 1.5}, "pp"), ({"tp": True}, "tp")],
-)
-def test_layout_refuses_an_axis_that_is_not_a_positive_whole_number(kwargs, field) -> None:
-    with pytest.raises(ValueError, match=rf"Layout: {field}=.*pass {field}=1"):
-        Layout(**kwargs)
-
-
-def test_layout_refuses_coordinates_and_axes_outside_it() -> None:
-    with pytest.raises(ValueError, match="rank 4 is outside"):
-        Layout(dp=2, tp=2).coordinates(4)
-    with pytest.raises(ValueError, match="tp coordinate 2"):
-        Layout(dp=2, tp=2).rank_of(dp=0, tp=2, pp=0)
-    with pytest.raises(ValueError, match="axis 'cp'"):
-        Layout().group_ranks("cp")  # type: ignore[arg-type]
-
-
 def test_groups_asks_for_a_process_group_first() -> None:
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match=r"mgtutor.setup\(\)"):
-        Layout().groups()
+        build_groups(Layout())
 
 
 def _reference(block: tp.Block, x: torch.Tensor) -> tuple[tp.Block, float]:
@@ -105,11 +74,11 @@ def _one_step(block, x, groups, sp: bool, average_over: str, pieces: str | None)
 def _worker() -> dict[str, Any]:
     mgtutor.setup(backend="gloo")
     try:
-        Layout(dp=3).groups()
+        build_groups(Layout(dp=3))
         refused = ""
     except RuntimeError as error:
         refused = str(error)
-    groups = Layout(dp=2, tp=2).groups()
+    groups = build_groups(Layout(dp=2, tp=2))
     torch.manual_seed(0)
     block = tp.Block(DIM, HEADS, HIDDEN).double()
     x = torch.randn(BATCH, SEQ, DIM, dtype=torch.float64)
