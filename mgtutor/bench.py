@@ -4,14 +4,16 @@ Run it from a notebook (:func:`measure_allreduce`, then :func:`plot_bandwidth`) 
 
     python -m mgtutor.bench --world-size 2 --max-size 64M --plot allreduce.png
 
-For each message size it times ``dist.all_reduce`` on every rank and reports, as nccl-tests do:
+For each message size it times ``dist.all_reduce`` on every rank and reports nccl-tests' two
+bandwidths:
 
 * **algorithm bandwidth** ``algbw = S / t``: message bytes over the time of one all-reduce;
 * **bus bandwidth** ``busbw = algbw * 2(n-1)/n``: what each rank's link carried, since a ring
   all-reduce sends ``2(n-1)/n * S`` bytes from every rank. busbw can be compared across world
   sizes and with the hardware's link speed; algbw cannot.
 
-The time of a size is the slowest rank's mean over the timed iterations (after warm-up); on GPUs
+The time of a size is the slowest rank's mean over the timed iterations (after warm-up; nccl-tests
+by default averages its ranks' times instead, its ``-a`` option); on GPUs
 the iterations are bracketed by ``torch.cuda.synchronize()``, since NCCL's all-reduce only
 queues work on the GPU and returns. As a reference ceiling the same run measures a plain memory
 copy of the largest message in one process (``dst.copy_(src)``), counted as copied bytes per
@@ -49,6 +51,9 @@ class BandwidthPoint:
     inside it (:func:`mgtutor.record_trace`): ``under_profiler`` is that repeat's time per call
     on the loop's own clock, and ``profiled`` the same calls as the profiler timed them (the
     process group's own events); each the slowest rank's mean, in seconds; otherwise None.
+    ``iterations`` is the plain loop's count of calls and ``loop_seconds`` its whole length on
+    a clock read outside the loop's own (``time.monotonic`` around it, its barrier included),
+    the slowest rank's: ``seconds * iterations`` must lie within it.
     """
 
     size: int
@@ -57,6 +62,8 @@ class BandwidthPoint:
     busbw: float
     profiled: float | None = None
     under_profiler: float | None = None
+    iterations: int | None = None
+    loop_seconds: float | None = None
 
 
 @dataclass(frozen=True)
@@ -160,16 +167,25 @@ def _sweep(
         # The plain loop gives the point; with profile, a separate repeat inside the profiler,
         # after it or (profile_first) before it.
         order = ((True, False) if profile_first else (False, True)) if profile else (False,)
-        repeats = {profiled: per_call(tensor, iterations, profiled) for profiled in order}
-        means = repeats[False] + repeats.get(True, [])
+        repeats, outer = {}, 0.0
+        for profiled in order:
+            if not profiled:
+                _barrier(device)  # a rank still leaving the profiler holds up this one, not here
+            begun = time.monotonic()  # a second clock around the plain loop, read outside it
+            repeats[profiled] = per_call(tensor, iterations, profiled)
+            if not profiled:
+                sync()  # on GPUs: a loop that forgot its own wait is still timed in full here
+                outer = time.monotonic() - begun
+        means = repeats[False] + [outer] + repeats.get(True, [])
         # On the rank's device: NCCL reduces CUDA tensors only.
         mean = torch.tensor(means, dtype=torch.float64, device=device)
         dist.all_reduce(mean, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-        seconds, *profiled_loop = mean.tolist()
+        seconds, loop_seconds, *profiled_loop = mean.tolist()
         algbw = size / seconds
         under, spans = profiled_loop or (None, None)
+        busbw = algbw * 2 * (world - 1) / world
         points.append(
-            BandwidthPoint(size, seconds, algbw, algbw * 2 * (world - 1) / world, spans, under)
+            BandwidthPoint(size, seconds, algbw, busbw, spans, under, iterations, loop_seconds)
         )
 
     copy_bandwidth = _copy_bandwidth(sizes[-1], device) if dist.get_rank() == 0 else None

@@ -22,6 +22,9 @@ def test_sweep_reports_nccl_tests_conventions() -> None:
         assert p.seconds > 0
         assert p.algbw == pytest.approx(p.size / p.seconds)
         assert p.busbw == pytest.approx(p.algbw * 2 * (2 - 1) / 2)
+        # The loop's calls, on its own clock, within the clock read around the loop.
+        assert p.iterations is not None and p.loop_seconds is not None
+        assert 0 < p.seconds * p.iterations <= p.loop_seconds * (1 + 1e-9)
     assert result.copy_bandwidth > 0 and result.copy_size == 65536
     table = result.table()
     assert "| 64 KiB |" in table and "memory copy of 64 KiB" in table

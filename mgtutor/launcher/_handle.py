@@ -63,7 +63,8 @@ class RankHandle:
 
     def paused(self) -> bool:
         """True while the rank's process is stopped: by SIGSTOP, by Ctrl-Z's SIGTSTP, or by a
-        debugger. It then runs nothing, not even its stack dump, until it is continued."""
+        native debugger that holds it (gdb, lldb; not pdb, whose breakpoint leaves the process
+        running). It then runs nothing, not even its stack dump, until it is continued."""
         import psutil
 
         if self.process.pid is None:

@@ -77,14 +77,15 @@ def after_interrupt(
 
 
 def _paused_note(ranks: list[RankHandle]) -> str:
-    """A sentence naming the ranks that are stopped (SIGSTOP, Ctrl-Z, a debugger), or ""."""
+    """A sentence naming the ranks that are stopped (SIGSTOP, Ctrl-Z, gdb), or ""."""
     paused = [h for h in ranks if h.paused()]
     if not paused:
         return ""
     was = "was" if len(paused) == 1 else "were"
     return (
         f" {ranks_named(paused).capitalize()} {was} stopped (paused by SIGSTOP, Ctrl-Z's SIGTSTP "
-        f"or a debugger): a paused rank runs nothing, and its peers wait for it."
+        f"or a native debugger such as gdb): a paused rank runs nothing, and its peers wait for "
+        f"it."
     )
 
 

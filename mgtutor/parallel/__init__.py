@@ -1,5 +1,7 @@
 """What the notebooks build by hand, as reusable, tested parts.
 
+* :mod:`.layout`: :class:`~.layout.Layout`, a dp x tp x pp grid of ranks, and the process
+  group of each axis that the parallel pieces take (``group=``), so the axes combine.
 * :mod:`.syncbn`: :class:`~.syncbn.SyncBatchNorm`, batch statistics over all ranks, also on CPU
   ranks (notebook 04).
 * :mod:`.tensor_comms`: the autograd functions that carry tensor and sequence parallelism's

@@ -2,7 +2,9 @@
 
 A transformer block of one process (:class:`Block`: LayerNorm, :class:`Attention`, LayerNorm,
 :class:`MLP`, each branch with dropout and a residual) and the same block split over the ranks of
-the default process group (:class:`ParallelBlock`), as Megatron-LM splits it:
+a process group (:class:`ParallelBlock`), as Megatron-LM splits it. Each piece takes ``group``,
+the tensor-parallel ranks (None: the default group, every rank); with data parallelism as well,
+it is ``Layout(...).groups().tp_group`` (:mod:`.layout`):
 
 * :class:`ColumnParallelLinear`: rank r keeps rows r of the weight (``torch.chunk`` along the
   output features) and computes its share of the outputs; the input must be whole on every rank.
@@ -37,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mgtutor.parallel.tensor_comms import (
+    Group,
     _record,
     copy_to_parallel,
     gather_from_sequence,
@@ -111,8 +114,9 @@ def _attend(x: torch.Tensor, q: nn.Module, k: nn.Module, v: nn.Module, heads: in
     return y.transpose(1, 2).reshape(b, s, -1)
 
 
-def _world() -> tuple[int, int]:
-    return dist.get_rank(), dist.get_world_size()
+def _world(group: Group) -> tuple[int, int]:
+    """This rank's place in ``group`` and its size (None: the default group)."""
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _piece(tensor: torch.Tensor, dim: int, rank: int, world: int, what: str) -> torch.Tensor:
@@ -140,13 +144,14 @@ class ColumnParallelLinear(nn.Module):
         enter: how the input arrives: "copy" (whole on every rank: :func:`copy_to_parallel`),
             "gather" (split along the sequence: :func:`gather_from_sequence`), or None when the
             caller already did it (attention enters once for q, k and v).
+        group: the tensor-parallel ranks; None for the default group.
     """
 
-    def __init__(self, linear: nn.Linear, enter: str | None = "copy") -> None:
+    def __init__(self, linear: nn.Linear, enter: str | None = "copy", group: Group = None) -> None:
         super().__init__()
         _choice("enter", enter, ("copy", "gather", None))
-        rank, world = _world()
-        self.enter = enter
+        rank, world = _world(group)
+        self.enter, self.group = enter, group
         self.rows = (rank * linear.out_features // world, (rank + 1) * linear.out_features // world)
         self.weight = nn.Parameter(_piece(linear.weight, 0, rank, world, "the weight"))
         bias = linear.bias
@@ -154,9 +159,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.enter == "copy":
-            x = copy_to_parallel(x)
+            x = copy_to_parallel(x, self.group)
         elif self.enter == "gather":
-            x = gather_from_sequence(x, SEQUENCE_DIM)
+            x = gather_from_sequence(x, SEQUENCE_DIM, self.group)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -167,13 +172,14 @@ class RowParallelLinear(nn.Module):
         linear: the one-process layer to split.
         leave: "reduce" (:func:`reduce_from_parallel`: the whole output on every rank) or
             "scatter" (:func:`reduce_scatter_to_sequence`: each rank its share of the sequence).
+        group: the tensor-parallel ranks; None for the default group.
     """
 
-    def __init__(self, linear: nn.Linear, leave: str = "reduce") -> None:
+    def __init__(self, linear: nn.Linear, leave: str = "reduce", group: Group = None) -> None:
         super().__init__()
         _choice("leave", leave, ("reduce", "scatter"))
-        rank, world = _world()
-        self.leave = leave
+        rank, world = _world(group)
+        self.leave, self.group = leave, group
         self.cols = (rank * linear.in_features // world, (rank + 1) * linear.in_features // world)
         self.weight = nn.Parameter(_piece(linear.weight, 1, rank, world, "the weight"))
         bias = linear.bias  # whole on every rank: added once, after the sum
@@ -182,19 +188,19 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
         if self.leave == "scatter":
-            y = reduce_scatter_to_sequence(partial, SEQUENCE_DIM)
+            y = reduce_scatter_to_sequence(partial, SEQUENCE_DIM, self.group)
         else:
-            y = reduce_from_parallel(partial)
+            y = reduce_from_parallel(partial, self.group)
         return y if self.bias is None else y + self.bias
 
 
 class ParallelMLP(nn.Module):
     """:class:`MLP` split: ``up`` column-parallel, ``down`` row-parallel, GELU on the split."""
 
-    def __init__(self, mlp: MLP, sequence_parallel: bool = False) -> None:
+    def __init__(self, mlp: MLP, sequence_parallel: bool = False, group: Group = None) -> None:
         super().__init__()
-        self.up = ColumnParallelLinear(mlp.up, "gather" if sequence_parallel else "copy")
-        self.down = RowParallelLinear(mlp.down, "scatter" if sequence_parallel else "reduce")
+        self.up = ColumnParallelLinear(mlp.up, "gather" if sequence_parallel else "copy", group)
+        self.down = RowParallelLinear(mlp.down, "scatter" if sequence_parallel else "reduce", group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))
@@ -203,33 +209,41 @@ class ParallelMLP(nn.Module):
 class HeadParallelAttention(nn.Module):
     """:class:`Attention` split by heads: rank r computes heads r, the output layer sums them."""
 
-    def __init__(self, attn: Attention, sequence_parallel: bool = False) -> None:
+    def __init__(
+        self, attn: Attention, sequence_parallel: bool = False, group: Group = None
+    ) -> None:
         super().__init__()
-        _, world = _world()
+        _, world = _world(group)
         if attn.n_heads % world:
             raise ValueError(f"{attn.n_heads} heads cannot be split evenly over {world} ranks")
         self.n_heads = attn.n_heads // world
-        self.enter = "gather" if sequence_parallel else "copy"
-        self.q, self.k, self.v = (ColumnParallelLinear(m, None) for m in (attn.q, attn.k, attn.v))
-        self.o = RowParallelLinear(attn.o, "scatter" if sequence_parallel else "reduce")
+        self.enter, self.group = "gather" if sequence_parallel else "copy", group
+        self.q, self.k, self.v = (
+            ColumnParallelLinear(m, None, group) for m in (attn.q, attn.k, attn.v)
+        )
+        self.o = RowParallelLinear(attn.o, "scatter" if sequence_parallel else "reduce", group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One collective for q, k and v together: all three read the same input.
-        x = copy_to_parallel(x) if self.enter == "copy" else gather_from_sequence(x, SEQUENCE_DIM)
+        if self.enter == "copy":
+            x = copy_to_parallel(x, self.group)
+        else:
+            x = gather_from_sequence(x, SEQUENCE_DIM, self.group)
         return self.o(_attend(x, self.q, self.k, self.v, self.n_heads))
 
 
 class ParallelBlock(nn.Module):
     """:class:`Block` split over the ranks: tensor parallel, or with ``sequence_parallel=True``
-    the norms and dropouts on this rank's share of the sequence (input and output split)."""
+    the norms and dropouts on this rank's share of the sequence (input and output split).
+    ``group``: the tensor-parallel ranks (None: the default group)."""
 
-    def __init__(self, block: Block, sequence_parallel: bool = False) -> None:
+    def __init__(self, block: Block, sequence_parallel: bool = False, group: Group = None) -> None:
         super().__init__()
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel, self.group = sequence_parallel, group
         self.norm1 = _copy_of(block.norm1)
-        self.attn = HeadParallelAttention(block.attn, sequence_parallel)
+        self.attn = HeadParallelAttention(block.attn, sequence_parallel, group)
         self.norm2 = _copy_of(block.norm2)
-        self.mlp = ParallelMLP(block.mlp, sequence_parallel)
+        self.mlp = ParallelMLP(block.mlp, sequence_parallel, group)
         self.drop = nn.Dropout(block.drop.p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -246,12 +260,13 @@ def _copy_of(norm: nn.LayerNorm) -> nn.LayerNorm:
     return copy.deepcopy(norm)  # its own tensors, same dtype and options
 
 
-def all_reduce_replicated_grads(modules: Any) -> None:
+def all_reduce_replicated_grads(modules: Any, group: Group = None) -> None:
     """Sum, over the ranks, the gradients of the parameters each rank keeps whole.
 
-    The ranks are the tensor-parallel group (here the default group): with data parallelism as
-    well, this sum is over another group than the data-parallel all-reduce and is not folded into
-    it (Megatron-LM's ``_allreduce_non_tensor_model_parallel_grads``, finalize_model_grads.py).
+    The ranks are the tensor-parallel group (``group``; None: the default group): with data
+    parallelism as well, this sum is over another group than the data-parallel all-reduce and is
+    not folded into it (Megatron-LM's ``_allreduce_non_tensor_model_parallel_grads``,
+    finalize_model_grads.py).
 
     Needed after backward under sequence parallelism only: each rank's norms and biases then saw
     its share of the tokens, so each holds a partial gradient. One all-reduce of all of them,
@@ -259,6 +274,7 @@ def all_reduce_replicated_grads(modules: Any) -> None:
 
     Args:
         modules: a :class:`ParallelBlock` or an iterable of them.
+        group: the tensor-parallel ranks the blocks were split over; None for the default group.
     """
     blocks = [modules] if isinstance(modules, ParallelBlock) else list(modules)
     grads = [p.grad for b in blocks for p in b.replicated_parameters() if p.grad is not None]
@@ -266,7 +282,7 @@ def all_reduce_replicated_grads(modules: Any) -> None:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     _record("all_reduce", "backward", flat.nbytes)
-    dist.all_reduce(flat)
+    dist.all_reduce(flat, group=group)
     for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(summed.view_as(grad))
 

@@ -16,7 +16,9 @@ function                               forward                         backward
 :func:`reduce_scatter_to_sequence`     reduce-scatter along it         all-gather along it
 =====================================  ==============================  ==========================
 
-Each collective runs on the default process group and, inside :func:`count_collectives`, is
+Each collective runs on the process group passed as ``group`` (None: the default group, the
+tensor-parallel group of a run that is tensor parallel only: see :mod:`.layout` for the groups
+of a run that combines it with data parallelism) and, inside :func:`count_collectives`, is
 written down with its phase and the bytes of its whole buffer (an all-reduce's tensor, an
 all-gather's output, a reduce-scatter's input), the convention of notebook 12. That list is
 what the functions say they ran; :class:`CollectiveCounter` records what ran, at the
@@ -51,6 +53,9 @@ def _dtensor_type() -> type | None:
 
 
 _DTENSOR = _dtensor_type()
+
+#: A process group, or None for the default group (what ``torch.distributed`` takes).
+Group = dist.ProcessGroup | None
 
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -206,24 +211,26 @@ def _record(name: str, phase: str, nbytes: int) -> None:
     _TALLY.write(Collective(name, phase, nbytes))
 
 
-def _all_reduce(tensor: torch.Tensor, phase: str) -> torch.Tensor:
+def _all_reduce(tensor: torch.Tensor, phase: str, group: Group = None) -> torch.Tensor:
     # A copy: autograd may hand the same gradient tensor to both branches of a residual.
     out = tensor.contiguous().clone()
     _record("all_reduce", phase, out.nbytes)
-    dist.all_reduce(out)
+    dist.all_reduce(out, group=group)
     return out
 
 
-def _all_gather(tensor: torch.Tensor, dim: int, phase: str) -> torch.Tensor:
+def _all_gather(tensor: torch.Tensor, dim: int, phase: str, group: Group = None) -> torch.Tensor:
     front = tensor.movedim(dim, 0).contiguous()
-    out = front.new_empty((front.shape[0] * dist.get_world_size(), *front.shape[1:]))
+    out = front.new_empty((front.shape[0] * dist.get_world_size(group), *front.shape[1:]))
     _record("all_gather", phase, out.nbytes)
-    _ALL_GATHER(out, front)
+    _ALL_GATHER(out, front, group=group)
     return out.movedim(0, dim).contiguous()  # one copy, which the next layer may keep
 
 
-def _reduce_scatter(tensor: torch.Tensor, dim: int, phase: str) -> torch.Tensor:
-    world = dist.get_world_size()
+def _reduce_scatter(
+    tensor: torch.Tensor, dim: int, phase: str, group: Group = None
+) -> torch.Tensor:
+    world = dist.get_world_size(group)
     if tensor.shape[dim] % world:
         raise ValueError(
             f"rank {dist.get_rank()}: cannot reduce-scatter dim {dim} of size "
@@ -232,7 +239,7 @@ def _reduce_scatter(tensor: torch.Tensor, dim: int, phase: str) -> torch.Tensor:
     front = tensor.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
     _record("reduce_scatter", phase, front.nbytes)
-    _REDUCE_SCATTER(out, front)
+    _REDUCE_SCATTER(out, front, group=group)
     return out.movedim(0, dim).contiguous()  # one copy, which the next layer may keep
 
 
@@ -240,74 +247,76 @@ class _CopyToParallel(torch.autograd.Function):
     """Copy in forward, all-reduce in backward: the f of Megatron-LM."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(grad, "backward")
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_reduce(grad, "backward", ctx.group), None
 
 
 class _ReduceFromParallel(torch.autograd.Function):
     """All-reduce in forward, copy in backward: the g of Megatron-LM."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(x, "forward")
+    def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return _all_reduce(x, "forward", group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 class _GatherFromSequence(torch.autograd.Function):
     """All-gather along the sequence in forward, reduce-scatter along it in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
-        ctx.dim = dim
-        return _all_gather(x, dim, "forward")
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _all_gather(x, dim, "forward", group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _reduce_scatter(grad, ctx.dim, "backward"), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _reduce_scatter(grad, ctx.dim, "backward", ctx.group), None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
     """Reduce-scatter along the sequence in forward, all-gather along it in backward."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
-        ctx.dim = dim
-        return _reduce_scatter(x, dim, "forward")
+    def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, "forward", group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather(grad, ctx.dim, "backward"), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather(grad, ctx.dim, "backward", ctx.group), None, None
 
 
-def copy_to_parallel(x: torch.Tensor) -> torch.Tensor:
+def copy_to_parallel(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Enter a tensor-parallel region: ``x`` unchanged forward; its gradient all-reduced backward.
 
     Every rank's part of the layer uses the whole ``x``, so ``x``'s gradient is the sum of each
-    rank's contribution (Megatron-LM's f).
+    rank's contribution (Megatron-LM's f). ``group``: the tensor-parallel ranks (None: all).
     """
-    return _CopyToParallel.apply(x)
+    return _CopyToParallel.apply(x, group)
 
 
-def reduce_from_parallel(x: torch.Tensor) -> torch.Tensor:
+def reduce_from_parallel(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     """Leave a tensor-parallel region: partial sums all-reduced forward; gradient copied backward.
 
     Megatron-LM's g: each rank's row-parallel product is a partial sum of the output.
+    ``group``: the tensor-parallel ranks (None: all).
     """
-    return _ReduceFromParallel.apply(x)
+    return _ReduceFromParallel.apply(x, group)
 
 
-def gather_from_sequence(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+def gather_from_sequence(x: torch.Tensor, dim: int = 1, group: Group = None) -> torch.Tensor:
     """Sequence shards to the whole sequence: all-gather forward, reduce-scatter backward."""
-    return _GatherFromSequence.apply(x, dim)
+    return _GatherFromSequence.apply(x, dim, group)
 
 
-def reduce_scatter_to_sequence(x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+def reduce_scatter_to_sequence(x: torch.Tensor, dim: int = 1, group: Group = None) -> torch.Tensor:
     """Partial sums to summed sequence shards: reduce-scatter forward, all-gather backward."""
-    return _ReduceScatterToSequence.apply(x, dim)
+    return _ReduceScatterToSequence.apply(x, dim, group)
