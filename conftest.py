@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # The files of the README's test command that took 20 s or more on this 2-core machine
 # (pytest --durations, 2026-11-28; notebook 19 and test_elastic, merged 2026-11-29, placed by
-# their times alone: about 45 s and 30-60 s), longest first.
+# their times alone: about 45 s and 30-60 s; notebook 20, merged later, about 60 s), longest first.
 _LONGEST_FIRST = {
     name: i
     for i, name in enumerate(
@@ -56,6 +56,7 @@ _LONGEST_FIRST = {
             "test_browser",
             "09_torchrun_multinode",
             "19_low_communication",
+            "20_when_a_rank_dies",
             "02_ddp",
             "test_elastic",
             "00_setup",
