@@ -151,7 +151,8 @@ class _Recorder(TorchDispatchMode):
             nbytes = max(_nbytes(a) for a in (*args, *(kwargs or {}).values()))
             group = _process_group(args)
             name = _NAMES.get(op, op)
-            self.calls.append(Call(name, group.size(), nbytes, op, group.group_name))
+            label = getattr(group, "group_name", "")  # "" where a torch lacks the property
+            self.calls.append(Call(name, group.size(), nbytes, op, label))
         return func(*args, **(kwargs or {}))
 
 
