@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -20,16 +21,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.suffix == ".py" and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(UNIT_TEST_TIMEOUT_S))
-    # Not run twice: a launcher test whose behaviour does not depend on how ranks start runs on
-    # the default start method only; a test that asserts what a notebook collected in this
-    # session asserts too runs only where that notebook does not (.ci/run's stage 3).
+    # Not run twice. The launcher tests run on the start method mgtutor uses here by default
+    # (forkserver on Linux, spawn on macOS); MGTUTOR_TEST_START_METHODS=both adds the other one
+    # (.ci/run's stage 2 does), except for tests marked any_start_method, whose behaviour does
+    # not depend on how ranks start. A test that asserts what a notebook collected in this
+    # session asserts too runs only where that notebook does not (.ci/run's stage 5).
+    from mgtutor.build import rank_start_method
+
+    own = rank_start_method()
+    both = os.environ.get("MGTUTOR_TEST_START_METHODS", "").strip().lower() == "both"
     notebooks = {item.path.name for item in items if item.path.suffix == ".ipynb"}
     kept, dropped = [], []
     for item in items:
         callspec = getattr(item, "callspec", None)
         method = callspec.params.get("start_method") if callspec else None
         repeats = item.get_closest_marker("repeats_notebook")
-        if (method == "spawn" and item.get_closest_marker("any_start_method")) or (
+        other_method = method is not None and method != own
+        if (other_method and (not both or item.get_closest_marker("any_start_method"))) or (
             repeats and repeats.args[0] in notebooks
         ):
             dropped.append(item)

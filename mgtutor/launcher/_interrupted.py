@@ -24,7 +24,7 @@ from typing import Any
 from mgtutor.errors import WorkerInterrupted
 from mgtutor.launcher import _report
 from mgtutor.launcher._handle import RankHandle
-from mgtutor.launcher._report import ranks_named
+from mgtutor.launcher._report import PAUSED_HOW, ranks_named
 
 __all__ = ["after_interrupt"]
 
@@ -83,8 +83,8 @@ def _paused_note(ranks: list[RankHandle]) -> str:
         return ""
     was = "was" if len(paused) == 1 else "were"
     return (
-        f" {ranks_named(paused).capitalize()} {was} stopped (paused by SIGSTOP, Ctrl-Z's SIGTSTP "
-        f"or a native debugger such as gdb): a paused rank runs nothing, and its peers wait for "
+        f" {ranks_named(paused).capitalize()} {was} stopped ({PAUSED_HOW}): a paused rank runs "
+        f"nothing, and its peers wait for "
         f"it."
     )
 

@@ -231,6 +231,11 @@ def _first_sentence(message: str) -> str:
     return found.group(1) if found else line
 
 
+#: How a rank comes to be stopped, said alike by a timeout and by Stop (pdb is not among them:
+#: its breakpoint leaves the process running, waiting for input).
+PAUSED_HOW = "paused by SIGSTOP, Ctrl-Z's SIGTSTP or a native debugger such as gdb"
+
+
 def ranks_named(ranks: list[Any]) -> str:
     """Ranks (numbers or handles) as a phrase: "rank 0", "ranks 0, 2".
 

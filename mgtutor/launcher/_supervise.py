@@ -237,8 +237,8 @@ class Supervisor(RankWatch):
             )
             summary = (
                 f"{self.wording.work} ran past its timeout of {timeout:g} s: "
-                f"{ranks_named(paused)} {was} stopped (paused by SIGSTOP, Ctrl-Z's SIGTSTP or a "
-                f"native debugger such as gdb), so {it} ran nothing; {waited}A stopped rank goes "
+                f"{ranks_named(paused)} {was} stopped ({_report.PAUSED_HOW}), so {it} ran "
+                f"nothing; {waited}A stopped rank goes "
                 f"on only when continued (kill -CONT <pid>), and its peers wait for it until the "
                 f"timeout. Every rank was then ended."
             )
