@@ -81,7 +81,7 @@ def _emulated(config: Any, wire: Any) -> Any:
         mine = layers[rank * per : (rank + 1) * per]
         return _pipeline([*mine, Stamp(seconds)] if rank == 0 else [Unstamp(seconds), *mine],
                          rank, m, x)  # fmt: skip
-    module = torch.nn.Sequential(*layers)
+    module: torch.nn.Module = torch.nn.Sequential(*layers)
     if config.dp > 1:
         declared = {k: v for layer in layers for k, v in layer.declared.items()}
         module = DistributedDataParallel(module, bucket_cap_mb=1.0)

@@ -333,7 +333,7 @@ def count_steps(
         from torch.distributed.optim import ZeroRedundancyOptimizer
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        net = DDP(modules)
+        net: nn.Module = DDP(modules)
         opt = (
             ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam)
             if strategy == "zero1"
