@@ -170,15 +170,7 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
             label = name if rank == 0 else None
             if name == "gradient":  # instants (StepTimer.watch_gradients): a tick each
                 ticks = [start for start, _ in spans]
-                # matplotlib takes label=None (no legend entry); its stubs say str.
-                ax.vlines(
-                    ticks,
-                    rank - 0.4,
-                    rank + 0.4,
-                    colors="#333333",
-                    lw=0.6,
-                    label=label,  # type: ignore[arg-type]
-                )
+                ax.vlines(ticks, rank - 0.4, rank + 0.4, colors="#333333", lw=0.6, label=label)  # type: ignore[arg-type]  # None: no legend entry
                 continue
             y, h = (rank - 0.4, 0.8) if name != "allreduce" else (rank + 0.1, 0.3)
             ax.broken_barh(spans, (y, h), facecolors=colours[name], label=label)
@@ -330,7 +322,7 @@ def plot_breakdown(
     *,
     title: str = "Memory by category per rank",
     ax: Axes | None = None,
-) -> Figure:
+) -> Figure | SubFigure:
     """One stacked bar per rank: parameters, gradients, optimizer state, communication, ...
 
     Activations are stacked where they were measured (by :func:`mgtutor.track`), the rest of
