@@ -118,14 +118,8 @@ def _await_decision(store: dist.TCPStore, step: int) -> None:
 
 
 def _replica(
-    rid: int,
-    port: int,
-    steps: int,
-    size: int,
-    die_at: int | None,
-    step_seconds: float,
-    interface: str | None,
-    straggle: tuple[int, float] | None = None,
+    rid: int, port: int, steps: int, size: int, die_at: int | None, step_seconds: float,
+    interface: str | None, straggle: tuple[int, float] | None = None,
 ) -> None:
     """One replica's life: join each quorum, train, and die (SIGKILL, before its all-reduce) at
     the first step at or after ``die_at`` that it takes part in, or finish."""
@@ -153,7 +147,7 @@ def _replica(
         opts.rootRank = members.index(quorum["source"])
         group.broadcast([state], opts).wait()  # type: ignore[attr-defined]
         with torch.no_grad():
-            _unflat(state[:-2], [*params, *momenta])
+            _unflat(state[: -2], [*params, *momenta])
         step, samples, grow = int(state[-2]), int(state[-1]), False
         while step < steps:
             x, y = batch(step, rank, size)
@@ -192,12 +186,8 @@ def _replica(
                 store.set(f"ack/{epoch}/{rid}", "1")
                 grow = True
                 break
-    final = {
-        "params": _flat(params).tolist(),
-        "step": step,
-        "samples": samples,
-        "failed_waits": failed_waits,
-    }
+    final = {"params": _flat(params).tolist(), "step": step, "samples": samples,
+             "failed_waits": failed_waits}
     store.set(f"final/{rid}", json.dumps(final))
 
 
@@ -291,16 +281,8 @@ def run_replicas(
     def start(rid: int) -> multiprocessing.process.BaseProcess:
         die_at = pending.pop(0) if rid == victim and pending else None
         late = (kills[0], straggle[rid]) if straggle and kills and rid in straggle else None
-        args = (
-            rid,
-            store.port,
-            steps,
-            size,
-            die_at,
-            step_seconds,
-            interface,
-            late if lives[rid] == 0 else None,
-        )
+        args = (rid, store.port, steps, size, die_at, step_seconds, interface,
+                late if lives[rid] == 0 else None)
         # typeshed gives get_context(str) a BaseContext, which lacks the Process of every real one.
         process = context.Process(target=_replica, args=args)  # type: ignore[attr-defined]
         process.start()
@@ -356,30 +338,23 @@ def run_replicas(
             if process.exitcode is None:
                 process.kill()
             process.join()
-    final = {
-        rid: json.loads(store.get(f"final/{rid}"))
-        for rid in range(replicas)
-        if store.check([f"final/{rid}"])
-    }
+    final = {rid: json.loads(store.get(f"final/{rid}")) for rid in range(replicas)
+             if store.check([f"final/{rid}"])}
     if sorted(final) != list(range(replicas)):
         missing = sorted(set(range(replicas)) - set(final))
         if restart_at is not None and restart_at >= steps:
-            cause = (
-                f"a replica killed within rejoin_after={rejoin_after} steps of the end "
-                "cannot come back"
-            )
+            cause = (f"a replica killed within rejoin_after={rejoin_after} steps of the end "
+                     "cannot come back")
         else:  # the members' waits (join_by, decided) should make these unreachable
-            cause = "internal error, the members' last-step wait failed: " + (
-                f"the restart due at step {restart_at} was never acted on"
-                if restart_at is not None
-                else "the replica was restarted, but the survivors finished before it joined"
-            )
+            cause = ("internal error, the members' last-step wait failed: "
+                     + (f"the restart due at step {restart_at} was never acted on"
+                        if restart_at is not None else
+                        "the replica was restarted, but the survivors finished before it "
+                        "joined"))
         raise RuntimeError(f"the run ended without replicas {missing} (deaths {deaths}): {cause}")
     return ElasticRun(
-        members=[
-            json.loads(store.get(f"members/{s}")) if store.check([f"members/{s}"]) else []
-            for s in range(steps)
-        ],
+        members=[json.loads(store.get(f"members/{s}")) if store.check([f"members/{s}"]) else []
+                 for s in range(steps)],
         commits=[store.add(f"commits/{s}", 0) for s in range(steps)],
         final=final,
         lives=lives,
