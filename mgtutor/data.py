@@ -241,6 +241,11 @@ class WorkerSeeds(Dataset[torch.Tensor]):
 
     def __getitem__(self, index: int) -> torch.Tensor:
         info = torch.utils.data.get_worker_info()
+        if info is None:
+            raise RuntimeError(
+                "WorkerSeeds reports a DataLoader worker's seeds: read it through a DataLoader "
+                "with num_workers >= 1 (in the main process there is no worker)"
+            )
         return torch.tensor([info.id, info.seed, torch.initial_seed()])
 
 

@@ -43,7 +43,8 @@ def run_torch_analyzer(records: dict[int, dict[str, Any]]) -> list[str]:
         trace = record.get("trace")
         if not trace or not trace.get("entries"):
             continue
-        pg_ranks = next(iter(trace.get("pg_config", {}).values()), {}).get("ranks", "[]")
+        first_config: dict[str, Any] = next(iter(trace.get("pg_config", {}).values()), {})
+        pg_ranks = first_config.get("ranks", "[]")
         config = {}
         for entry in trace["entries"]:
             name, desc = entry["process_group"]

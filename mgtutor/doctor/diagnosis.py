@@ -147,7 +147,7 @@ def _different(
     """The first of operation, shapes, dtypes that differs between the ranks' entry ``seq``."""
     first = min(have)
     group = group_label(name)
-    kinds = ("operation", "shape", "dtype")
+    kinds: tuple[str, ...] = ("operation", "shape", "dtype")
     if op_name(have[first]) in _SIZES_MAY_DIFFER:
         kinds = ("operation", "dtype")
     elif op_name(have[first]) in _ROOT_ONLY_INPUTS:
@@ -257,7 +257,7 @@ def _point_to_point(
         )
         if peer in finished:
             more += f"; rank {peer} returned from {work}"
-        elif peer in raised:
+        elif peer is not None and peer in raised:
             more += f"; rank {peer} raised {raised[peer]}"
         elif peer in records:
             peer_call, peer_place = stack_call(records[peer])

@@ -37,7 +37,7 @@ def replica_checksums(module: Any, group: Any = None) -> dict[str, list[float]]:
         weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64) / max(flat.numel(), 1)
         rows.append(torch.stack([flat.sum(), (flat * weights).sum()]))
     local = torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
-    device = "cpu"
+    device = torch.device("cpu")
     if dist.get_backend(group) == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     world = dist.get_world_size(group)

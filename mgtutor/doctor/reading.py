@@ -28,7 +28,7 @@ _C10D_FILE = os.path.join("distributed", "distributed_c10d.py")
 
 def _torch_dir() -> str:
     spec = sys.modules.get("torch")
-    if spec is not None and getattr(spec, "__file__", None):
+    if spec is not None and spec.__file__:
         return os.path.dirname(os.path.abspath(spec.__file__))
     import importlib.util
 
@@ -168,9 +168,9 @@ def group_views(records: dict[int, dict[str, Any]], size: int) -> dict[str, dict
             view.by_seq[entry["collective_seq_id"]] = entry
             view.pg_id = str(entry.get("pg_id"))
         for group in views.values():
-            view = group.get(rank)
-            if view is None:
+            if rank not in group:
                 continue
+            view = group[rank]
             status = record["trace"].get("pg_status", {}).get(view.pg_id)
             if status is None:
                 view.last = max(view.by_seq, default=0)
@@ -239,7 +239,9 @@ def record_notes(
     for name, per_rank in views.items():
         for rank, view in sorted(per_rank.items()):
             seq = view.waiting()
-            entry = view.by_seq.get(seq) if seq else None
+            if not seq:
+                continue
+            entry = view.by_seq.get(seq)
             if entry is None or not str(entry.get("profiling_name", "")).startswith("nccl:"):
                 continue
             queued = view.last - seq
@@ -266,7 +268,7 @@ def left_no_record(
     groups: dict[str, dict[str, Any]] = {}
     said = []
     for name in sorted(n for n, ranks in members.items() if rank in ranks):
-        known = next(
+        known: dict[str, Any] = next(
             (rec["groups"][name] for rec in records.values() if name in (rec.get("groups") or {})),
             {},
         )

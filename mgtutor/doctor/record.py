@@ -88,7 +88,7 @@ def _frames(frames: list[FrameType]) -> tuple[list[dict[str, Any]], dict[str, An
         {"name": f.f_code.co_name, "filename": f.f_code.co_filename, "line": f.f_lineno}
         for f in frames
     ]
-    call = None
+    call: dict[str, Any] | None = None
     for frame in reversed(frames):
         code = frame.f_code
         if not code.co_filename.endswith(_C10D_FILE) or code.co_name.startswith("_"):
@@ -102,7 +102,7 @@ def _frames(frames: list[FrameType]) -> tuple[list[dict[str, Any]], dict[str, An
             if isinstance(local.get(key), int):
                 call[key] = local[key]
         tensor = local.get("tensor")
-        if hasattr(tensor, "shape") and hasattr(tensor, "dtype"):
+        if tensor is not None and hasattr(tensor, "shape") and hasattr(tensor, "dtype"):
             call["sizes"] = [list(tensor.shape)]
             call["dtypes"] = [str(tensor.dtype).removeprefix("torch.")]
         break
@@ -117,7 +117,7 @@ def _stack_of(frame: FrameType | None) -> list[FrameType]:
     return list(reversed(frames))
 
 
-def _traceback_frames(tb: TracebackType) -> list[FrameType]:
+def _traceback_frames(tb: TracebackType | None) -> list[FrameType]:
     frames = []
     while tb is not None:
         frames.append(tb.tb_frame)
@@ -151,7 +151,9 @@ def _read_recorders(groups: dict[str, dict[str, Any]], stack_traces: bool) -> di
     import torch
 
     c10d = torch._C._distributed_c10d
-    dumps = [pickle.loads(c10d._dump_fr_trace(includeStackTraces=stack_traces))]
+    # torch's stubs do not declare it; recorder_available() checks that this torch has it.
+    dump = c10d._dump_fr_trace(includeStackTraces=stack_traces)  # type: ignore[attr-defined]
+    dumps = [pickle.loads(dump)]
     kinds = ["gloo"]
     if any("nccl" in g["backend"] for g in groups.values()) and hasattr(c10d, "_dump_nccl_trace"):
         dumps.append(pickle.loads(c10d._dump_nccl_trace(includeStackTraces=stack_traces)))

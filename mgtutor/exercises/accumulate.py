@@ -98,7 +98,11 @@ def _one_process(xs: torch.Tensor, ys: torch.Tensor, k: int) -> tuple[list, list
     for start in range(0, xs.shape[1], k):
         x = xs[:, start : start + k].reshape(-1, _FEATURES)
         F.mse_loss(model(x), ys[:, start : start + k].reshape(-1, 1)).backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
+        step_grads = []
+        for p in model.parameters():
+            assert p.grad is not None  # every parameter of this model is in the loss
+            step_grads.append(p.grad.clone())
+        grads.append(step_grads)
         optimizer.step()
         optimizer.zero_grad()
     return grads, [p.detach().clone() for p in model.parameters()]

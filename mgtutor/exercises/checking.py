@@ -256,14 +256,14 @@ def _learner_failure(exc: WorkerError) -> LearnerFailed | None:
 
 
 def _raised(name: str, exercise: Exercise, failure: LearnerFailed) -> CheckResult:
-    common = {"cases": exercise.cases, "world_size": exercise.world_size}
     where = f"Case {failure.case!r}, rank {failure.rank}"
     if failure.exc_type == "NotImplementedError":
         return CheckResult(
             name,
             NOT_ATTEMPTED,
             f"{' or '.join(exercise.functions)} raised NotImplementedError",
-            **common,
+            cases=exercise.cases,
+            world_size=exercise.world_size,
         )
     hint = exercise.raise_hints.get(
         failure.exc_type, "read the traceback: its last lines are in your function"
@@ -274,7 +274,8 @@ def _raised(name: str, exercise: Exercise, failure: LearnerFailed) -> CheckResul
         f"{where} raised {failure.exc_type}: {failure.message}\n\n"
         f"Traceback (in rank {failure.rank}):\n{failure.where}",
         hint=hint + ".",
-        **common,
+        cases=exercise.cases,
+        world_size=exercise.world_size,
     )
 
 

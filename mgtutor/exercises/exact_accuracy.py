@@ -62,20 +62,32 @@ def check_exact_accuracy(
     return check(EXERCISE, (exact_accuracy,), timeout)
 
 
+def _sampler(
+    n: int, shuffle: bool, drop_last: bool, world: int | None = None, rank: int | None = None
+) -> DistributedSampler[int]:
+    """A DistributedSampler over ``n`` samples, seed 0 (it reads only their number)."""
+    # torch annotates the dataset as a Dataset; the sampler needs only len() of it.
+    data = range(n)
+    return DistributedSampler(
+        data,  # type: ignore[arg-type]
+        num_replicas=world,
+        rank=rank,
+        shuffle=shuffle,
+        seed=0,
+        drop_last=drop_last,
+    )
+
+
 def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     rank, world = dist.get_rank(), dist.get_world_size()
     (fn,) = cloudpickle.loads(payload)
     findings = []
     for case, n, shuffle, drop_last in CASES:
-        options = {"shuffle": shuffle, "seed": 0, "drop_last": drop_last}
-        shards = [
-            list(DistributedSampler(range(n), num_replicas=world, rank=r, **options))
-            for r in range(world)
-        ]
+        shards = [list(_sampler(n, shuffle, drop_last, world, r)) for r in range(world)]
         padded = [shards[p % world][p // world] for p in range(world * len(shards[0]))]
         truth = torch.tensor([i % 3 == 0 for i in range(n)])  # the figures below all differ
         truth[padded[n:]] = True  # the repeats are right: counting them raises the accuracy
-        sampler = DistributedSampler(range(n), **options)
+        sampler = _sampler(n, shuffle, drop_last)
         got = call_learner(index, case, fn, truth[list(sampler)].clone(), sampler)
         findings.append(_diagnose_accuracy(case, got, truth, shards, padded, n, rank))
         if not everyone_ok(findings[-1]):

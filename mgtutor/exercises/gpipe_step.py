@@ -88,6 +88,11 @@ def _counting() -> Iterator[dict[str, list[int]]]:
     def wrap(name: str, key: str, peer_arg: str) -> Any:
         def counted(tensor: torch.Tensor, peer: int | None = None, *args: Any, **kwargs: Any):
             peer = kwargs.get(peer_arg, peer)
+            if peer is None:
+                raise ValueError(
+                    f"dist.{name} was given no {peer_arg}: pass the peer's rank as {peer_arg}= "
+                    "(this exercise counts each stage's messages by peer)"
+                )
             counts[key].append(peer)
             if peer_arg in kwargs:
                 return originals[name](tensor, *args, **kwargs)
@@ -128,6 +133,14 @@ def _grads(module: nn.Module) -> list[torch.Tensor | None]:
     return [p.grad for p in module.parameters()]
 
 
+def _reference_grads(module: nn.Module) -> list[torch.Tensor]:
+    grads = []
+    for p in module.parameters():
+        assert p.grad is not None  # the one-process model: its loss reaches every parameter
+        grads.append(p.grad)
+    return grads
+
+
 def _close(got: list, want: list) -> bool:
     return all(
         g is not None and torch.allclose(g, w, rtol=1e-9, atol=1e-12) for g, w in zip(got, want)
@@ -152,20 +165,20 @@ def _diagnose(
     }
     for key, peers in counts.items():
         for peer in sorted(set(expected_counts[key]) | set(peers)):
-            got, want = peers.count(peer), expected_counts[key].count(peer)
-            if got != want:
+            n_got, n_want = peers.count(peer), expected_counts[key].count(peer)
+            if n_got != n_want:
                 what = "activations" if (peer > rank) == (key == "sent to") else "gradients"
                 return make_finding(
                     case,
-                    f"stage {rank} {key} rank {peer} {got} message(s), expected {want}: "
+                    f"stage {rank} {key} rank {peer} {n_got} message(s), expected {n_want}: "
                     f"one of the {what} per micro-batch",
                     "with dist.send/isend and dist.recv/irecv, each micro-batch's activation "
                     "goes forward once and the gradient of it comes back once, at every "
                     "boundary between stages (not the whole batch at once, not a collective)",
                 )
     model.zero_grad(set_to_none=True)
-    sum(_sum_mse(model(x), y) for x, y in zip(xs, ys)).backward()
-    want = _grads(model[rank])
+    torch.stack([_sum_mse(model(x), y) for x, y in zip(xs, ys)]).sum().backward()
+    want = _reference_grads(model[rank])
     got = _grads(stage)
     if _close(got, want):
         return make_finding(case)
@@ -176,7 +189,8 @@ def _diagnose(
             "run backward on every stage: the last from its loss, the others from the "
             "gradient of their output received from the next stage (output.backward(grad))",
         )
-    if n_micro > 1 and _close(got, [w / n_micro for w in want]):
+    every = [g for g in got if g is not None]  # all of got, now that none is None
+    if n_micro > 1 and _close(every, [w / n_micro for w in want]):
         return make_finding(
             case,
             f"stage {rank}'s gradients are the expected ones divided by {n_micro}, the number "
@@ -186,7 +200,7 @@ def _diagnose(
         )
     model.zero_grad(set_to_none=True)
     _sum_mse(model(xs[-1]), ys[-1]).backward()
-    if n_micro > 1 and _close(got, _grads(model[rank])):
+    if n_micro > 1 and _close(every, _reference_grads(model[rank])):
         return make_finding(
             case,
             f"stage {rank}'s gradients are those of the last micro-batch alone",
@@ -196,7 +210,7 @@ def _diagnose(
     return make_finding(
         case,
         f"stage {rank}'s gradients differ from one process's (largest difference "
-        f"{max((g - w).abs().max().item() for g, w in zip(got, want)):.3g})",
+        f"{max((g - w).abs().max().item() for g, w in zip(every, want)):.3g})",
         "stage r's forward takes the activation received from rank r - 1 (the micro-batch "
         "itself on rank 0) and sends its output to rank r + 1; the last stage adds "
         "loss_fn(output, target) per micro-batch; backward goes the other way",

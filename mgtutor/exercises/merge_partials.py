@@ -145,10 +145,10 @@ def _diagnose_merge(case: str, returned: Any, data: dict[str, Any]) -> Finding:
     out, lse = returned
     for what, got, want in (("out", out, data["out"]), ("lse", lse, data["lse"])):
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
-            shown = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            got_as = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             return make_finding(
                 case,
-                f"{what} is {shown}, not a tensor of shape {tuple(want.shape)}",
+                f"{what} is {got_as}, not a tensor of shape {tuple(want.shape)}",
                 "out has the shape of out_a, lse the shape of lse_a (one number per query row)",
             )
     if torch.isnan(out).any() or torch.isnan(lse).any():

@@ -93,7 +93,7 @@ def _new_job() -> tuple[TrainingJob, DataLoader]:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(_SNAPSHOT_SAMPLES, 4, dtype=torch.float64, generator=generator)
     data = TensorDataset(x, x.sum(1, keepdim=True).tanh())
-    sampler = DistributedSampler(data, shuffle=True, seed=0)
+    sampler: DistributedSampler[int] = DistributedSampler(data, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=_SNAPSHOT_BATCH, sampler=sampler)
     model = DDP(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double())
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)

@@ -45,6 +45,7 @@ def ring_average(tensor: torch.Tensor) -> None:
         out, into = (rank - step) % world, (rank - step - 1) % world
         incoming = torch.empty_like(chunks[into])
         request = dist.isend(chunks[out], dst=right)
+        assert request is not None  # isend gives None only to a rank outside the group
         dist.recv(incoming, src=left)
         request.wait()
         chunks[into] += incoming
@@ -52,6 +53,7 @@ def ring_average(tensor: torch.Tensor) -> None:
     for step in range(world - 1):  # all-gather: pass the finished chunks around the ring
         out, into = (rank - step + 1) % world, (rank - step) % world
         request = dist.isend(chunks[out], dst=right)
+        assert request is not None
         dist.recv(chunks[into], src=left)
         request.wait()
 
@@ -84,7 +86,9 @@ def save_snapshot(path: str | os.PathLike[str], job: Any) -> None:
     """Rank 0 saves everything the next step depends on, with every rank's generator state."""
     from mgtutor.checkpoint import save_checkpoint
 
-    states = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    states: list[torch.Tensor | None] | None = None
+    if dist.get_rank() == 0:
+        states = [None] * dist.get_world_size()
     dist.gather_object(torch.get_rng_state(), states, dst=0)
     if dist.get_rank() == 0:
         save_checkpoint(
@@ -304,4 +308,5 @@ def gpipe_step(stage_module: Any, micro_batches: list, targets: list, loss_fn: A
         if rank > 0:
             sends.append(dist.isend(x.grad, dst=rank - 1))
     for work in sends:
+        assert work is not None  # isend gives None only to a rank outside the group
         work.wait()

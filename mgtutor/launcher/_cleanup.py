@@ -224,9 +224,11 @@ def failed_note(h: RankHandle, primary: RankHandle | None) -> str:
     cause = getattr(primary, "error", None)
     same = cause is not None and f"{cause.exc_type}: {_first_line(cause.message)}" == said
     how = ""
-    if after:
-        how = "then failed the same way" if same else (
-            f"then failed, a consequence of rank {primary.rank}'s failure"
+    if after and primary is not None:  # after implies it; said again for the type checker
+        how = (
+            "then failed the same way"
+            if same
+            else (f"then failed, a consequence of rank {primary.rank}'s failure")
         )
     return f"rank {h.rank} {how or 'had already failed'} ({said})"
 

@@ -106,7 +106,11 @@ def _interrupt_pool(sup: Any, targets: list[RankHandle]) -> WorkerInterrupted:
     died = [h for h in sup.handles if h.failed_at is not None and h.error is None]
     # Where each rank that did stop was: its KeyboardInterrupt's traceback.
     interrupted = [h for h in busy if h.error is not None and h.error.context == "was interrupted"]
-    where = {h.rank: frames for h in interrupted if (frames := _frames(h.error.traceback))}
+    where = {
+        h.rank: frames
+        for h in interrupted
+        if h.error is not None and (frames := _frames(h.error.traceback))
+    }
     work = _lower(sup.wording.work)
     if not (stuck or died):
         sup._wait_relayed(targets)

@@ -269,7 +269,7 @@ def format_stack(dump: bytes, main_ident: int | None) -> str:
         mark = f"0x{main_ident:016x}"
         # A rank stopped before faulthandler wrote anything leaves an empty dump: no header line.
         chosen = [b for b in blocks if mark in b.partition("\n")[0]] or blocks
-    frames = []
+    frames: list[str] = []
     for block in chosen:
         for line in block.splitlines()[1:]:
             frame = _FRAME.match(line)

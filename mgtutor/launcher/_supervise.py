@@ -263,11 +263,11 @@ class Supervisor(RankWatch):
         ranks = [h for h in ranks if h.rank not in paused]
         for h in ranks:
             h.output.diag.clear()
-            if h.main_ident is None:
+            if h.main_ident is None or h.process.pid is None:
                 continue  # no Hello yet: its stack-dump handler may not be installed
             try:
                 os.kill(h.process.pid, signal.SIGUSR1)
-            except (ProcessLookupError, TypeError):
+            except ProcessLookupError:
                 pass
         until = time.monotonic() + _STACK_WAIT_S
         while time.monotonic() < until:

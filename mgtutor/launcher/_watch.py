@@ -48,7 +48,7 @@ class RankWatch:
         """Send a message to a rank; False when its pipe is closed (the rank has gone)."""
         return self.send_pickled(h, ForkingPickler.dumps(message))  # as Connection.send does
 
-    def send_pickled(self, h: RankHandle, message: bytes) -> bool:
+    def send_pickled(self, h: RankHandle, message: bytes | memoryview) -> bool:
         """:meth:`send` for a message pickled once for every rank (``ForkingPickler.dumps``)."""
         try:
             h.conn.send_bytes(message)
@@ -161,7 +161,7 @@ class RankWatch:
 def _ended(sentinels: list[int]) -> list[int]:
     """The process sentinels that are readable now (their processes ended), without waiting."""
     if not hasattr(select, "poll"):
-        return wait(sentinels, 0)
+        return [s for s in wait(sentinels, 0) if isinstance(s, int)]  # all are: sentinels
     poller = select.poll()
     for fd in sentinels:
         poller.register(fd, select.POLLIN)

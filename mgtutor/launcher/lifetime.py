@@ -202,8 +202,9 @@ def stop_server() -> bool:
     try:
         server._stop()
     except OSError:  # reaped by someone else already: forget it, so the next start is clean
-        server._forkserver_pid = None
-        server._forkserver_address = None
+        # Private attributes of CPython's ForkServer, which typeshed does not declare.
+        server._forkserver_pid = None  # type: ignore[attr-defined]
+        server._forkserver_address = None  # type: ignore[attr-defined]
     return True
 
 

@@ -117,8 +117,10 @@ def _run_source(source: str, filename: str, values: bytes) -> str | None:
     space = namespace()
     tree = ast.parse(source, filename)
     last = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(tree.body.pop().value)
+    tail = tree.body[-1] if tree.body else None
+    if isinstance(tail, ast.Expr):
+        tree.body.pop()
+        last = ast.Expression(tail.value)
     exec(compile(tree, filename, "exec"), space)
     if last is None:
         return None

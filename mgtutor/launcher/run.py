@@ -168,7 +168,7 @@ class Run:
         return sum(p.samples or 0 for p in counted) / span
 
     def _rows(self) -> list[tuple[str, ...]]:
-        rows = []
+        rows: list[tuple[str, ...]] = []
         for r in self.ranks:
             mem = r.memory
             if mem.is_cuda:

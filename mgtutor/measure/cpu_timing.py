@@ -125,7 +125,7 @@ def seconds_per_call(fn: Any, min_seconds: float, clock: Any = time.perf_counter
 
 def gemm_timer(shape: tuple[int, ...]) -> Any:
     """A timer of the forward product of ``shape`` (rows, inner, cols, count)."""
-    return product_timers(shape)[tuple(shape[:3])]
+    return product_timers(shape)[(shape[0], shape[1], shape[2])]
 
 
 def elementwise_timers(model: Transformer) -> dict[str, tuple[Any, int]]:

@@ -45,4 +45,6 @@ def new_figure(width: float, height: float) -> Figure:
     Made through pyplot, so that in a notebook the inline backend loads and shows it when the
     cell ends unless it was displayed before (see the module's docstring).
     """
-    return plt.figure(figsize=(width, height), layout="constrained", FigureClass=Figure)
+    figure = plt.figure(figsize=(width, height), layout="constrained", FigureClass=Figure)
+    assert isinstance(figure, Figure)  # FigureClass made it one; pyplot's stubs say the base
+    return figure

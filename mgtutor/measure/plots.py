@@ -17,7 +17,7 @@ from mgtutor.units import format_bytes
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure, SubFigure
 
 __all__ = ["plot_memory", "plot_timeline", "plot_step_times", "plot_scaling"]
 
@@ -170,7 +170,7 @@ def plot_timeline(run: Run, *, steps: slice | None = None) -> Figure:
             label = name if rank == 0 else None
             if name == "gradient":  # instants (StepTimer.watch_gradients): a tick each
                 ticks = [start for start, _ in spans]
-                ax.vlines(ticks, rank - 0.4, rank + 0.4, colors="#333333", lw=0.6, label=label)
+                ax.vlines(ticks, rank - 0.4, rank + 0.4, colors="#333333", lw=0.6, label=label)  # type: ignore[arg-type]  # None: no legend entry
                 continue
             y, h = (rank - 0.4, 0.8) if name != "allreduce" else (rank + 0.1, 0.3)
             ax.broken_barh(spans, (y, h), facecolors=colours[name], label=label)
@@ -322,7 +322,7 @@ def plot_breakdown(
     *,
     title: str = "Memory by category per rank",
     ax: Axes | None = None,
-) -> Figure:
+) -> Figure | SubFigure:
     """One stacked bar per rank: parameters, gradients, optimizer state, communication, ...
 
     Activations are stacked where they were measured (by :func:`mgtutor.track`), the rest of

@@ -42,6 +42,7 @@ def _real(config: Any) -> Any:
     if config.pp > 1:
         rank, per = dist.get_rank(), model.layers // config.pp
         return _pipeline(layers[rank * per : (rank + 1) * per], rank, m, x)
+    module: torch.nn.Module
     if config.tp > 1:
         module = torch.nn.Sequential(*(ParallelGPTLayer(layer) for layer in layers))
     elif config.dp > 1:
@@ -81,7 +82,7 @@ def _emulated(config: Any, wire: Any) -> Any:
         mine = layers[rank * per : (rank + 1) * per]
         return _pipeline([*mine, Stamp(seconds)] if rank == 0 else [Unstamp(seconds), *mine],
                          rank, m, x)  # fmt: skip
-    module = torch.nn.Sequential(*layers)
+    module: torch.nn.Module = torch.nn.Sequential(*layers)
     if config.dp > 1:
         declared = {k: v for layer in layers for k, v in layer.declared.items()}
         module = DistributedDataParallel(module, bucket_cap_mb=1.0)
@@ -90,7 +91,7 @@ def _emulated(config: Any, wire: Any) -> Any:
     def step() -> None:
         module.zero_grad(set_to_none=True)
         for i in range(m):
-            if config.dp > 1 and i < m - 1:
+            if isinstance(module, DistributedDataParallel) and i < m - 1:  # config.dp > 1
                 with module.no_sync():
                     _loss(module(x[i : i + 1])).backward()
             else:

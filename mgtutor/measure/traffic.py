@@ -329,11 +329,14 @@ def count_steps(
     rank = dist.get_rank()
     if strategy == "pp":
         return _pipeline_steps(modules, model, rank, steps, micro_batches)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp: DDP | None = None  # the DDP wrapper, for no_sync
+    net: nn.Module
     if strategy in ("ddp", "zero1"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel as DDP
 
-        net = DDP(modules)
+        net = ddp = DDP(modules)
         opt = (
             ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam)
             if strategy == "zero1"
@@ -346,7 +349,8 @@ def count_steps(
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in (m for m in modules if isinstance(m, Block)):
             fully_shard(layer, mesh=mesh, reshard_after_forward=strategy == "zero3")
-        net = fully_shard(modules, mesh=mesh)
+        fully_shard(modules, mesh=mesh)  # in place: it returns modules itself
+        net = modules
         opt = torch.optim.Adam(net.parameters())
     else:
         raise ValueError(f"unknown strategy {strategy!r}: ddp, zero1, zero2, zero3 or pp")
@@ -355,7 +359,7 @@ def count_steps(
         with record_collectives() as calls:
             for i in range(micro_batches):
                 sync = i == micro_batches - 1 or strategy not in ("ddp", "zero1")
-                with contextlib.nullcontext() if sync else net.no_sync():
+                with contextlib.nullcontext() if sync or ddp is None else ddp.no_sync():
                     x = _inputs(model, model.micro_batch, seed=1000 * step + 10 * i + rank)
                     net(x).pow(2).mean().backward()
             opt.step()

@@ -203,7 +203,9 @@ class _RingAttention(torch.autograd.Function):
             k_pos = layout[source]
             rows, cols = needed_block(q_pos, k_pos, causal)
             if len(rows):
-                masks = (q_pos[rows], k_pos[cols]) if causal else (None, None)
+                masks: tuple[Tensor | None, Tensor | None] = (
+                    (q_pos[rows], k_pos[cols]) if causal else (None, None)
+                )
                 part = attention_with_lse(
                     q[..., rows, :], held[0][..., cols, :], held[1][..., cols, :], *masks, scale
                 )
@@ -237,8 +239,10 @@ class _RingAttention(torch.autograd.Function):
         delta = (grad_out * out).sum(-1, keepdim=True)  # d(softmax) needs sum(dO * O) per row
         # Two messages travel: a block's keys and values, sent ahead of each step's work as in
         # forward, and the gradients accumulated for that block so far, sent after it.
-        incoming_held, held_work = torch.stack([k, v]), []
-        incoming_grads, grads_work = torch.zeros_like(incoming_held), []
+        incoming_held = torch.stack([k, v])
+        incoming_grads = torch.zeros_like(incoming_held)
+        held_work: list[dist.Work] = []
+        grads_work: list[dist.Work] = []
         for step in range(world):
             for request in held_work:
                 request.wait()

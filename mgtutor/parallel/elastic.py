@@ -66,8 +66,12 @@ def batch(step: int, slot: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x.sum(1, keepdim=True))
 
 
-def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors])
+def _flat(tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    flat = []
+    for t in tensors:
+        assert t is not None  # a gradient: every parameter of this small model has one
+        flat.append(t.detach().reshape(-1))
+    return torch.cat(flat)
 
 
 def _unflat(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
@@ -77,7 +81,9 @@ def _unflat(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> None:
         offset += t.numel()
 
 
-def _sgd_step(params: list[torch.Tensor], momenta: list[torch.Tensor], grads: torch.Tensor) -> None:
+def _sgd_step(
+    params: Sequence[torch.Tensor], momenta: list[torch.Tensor], grads: torch.Tensor
+) -> None:
     # SGD with momentum written out, so that its state is two tensors a broadcast can carry.
     offset = 0
     with torch.no_grad():
@@ -139,7 +145,7 @@ def _replica(
         state = torch.cat([_flat(params), _flat(momenta), torch.tensor([step, samples])]).double()
         opts = dist.BroadcastOptions()
         opts.rootRank = members.index(quorum["source"])
-        group.broadcast([state], opts).wait()
+        group.broadcast([state], opts).wait()  # type: ignore[attr-defined]
         with torch.no_grad():
             _unflat(state[: -2], [*params, *momenta])
         step, samples, grow = int(state[-2]), int(state[-1]), False
@@ -160,7 +166,7 @@ def _replica(
                 os.kill(os.getpid(), signal.SIGKILL)
             entered = time.monotonic()
             try:
-                group.allreduce([buffer]).wait()
+                group.allreduce([buffer]).wait()  # type: ignore[attr-defined]
             except RuntimeError:
                 failed_waits.append(time.monotonic() - entered)
                 # A member died: drop this group now, closing its connections, so that a
@@ -277,7 +283,8 @@ def run_replicas(
         late = (kills[0], straggle[rid]) if straggle and kills and rid in straggle else None
         args = (rid, store.port, steps, size, die_at, step_seconds, interface,
                 late if lives[rid] == 0 else None)
-        process = context.Process(target=_replica, args=args)
+        # typeshed gives get_context(str) a BaseContext, which lacks the Process of every real one.
+        process = context.Process(target=_replica, args=args)  # type: ignore[attr-defined]
         process.start()
         lives[rid] += 1
         return process

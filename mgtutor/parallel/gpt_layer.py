@@ -141,10 +141,17 @@ class GPTLayer(nn.Module):
 
         q, k, v = take(0), take(1), take(2)
         if self.checkpoint_core:
-            replay = {"context_fn": self.rng.checkpoint_contexts} if self.rng is not None else {}
-            core = torch.utils.checkpoint.checkpoint(
-                self.core, q, k, v, use_reentrant=False, **replay
-            )
+            if self.rng is not None:  # replay the dropout masks' random state on recompute
+                core = torch.utils.checkpoint.checkpoint(
+                    self.core,
+                    q,
+                    k,
+                    v,
+                    use_reentrant=False,
+                    context_fn=self.rng.checkpoint_contexts,
+                )
+            else:
+                core = torch.utils.checkpoint.checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
             core = self.core(q, k, v)
         return core.view(b, heads, s, d).transpose(1, 2).reshape(b, s, heads * d)
@@ -356,7 +363,8 @@ def kept_by_term(layer: GPTLayer, output: torch.Tensor) -> dict[str, int]:
             continue
         key = (t["node"], t["name"])
         if key in _LINEAR_INPUTS:
-            term = weights.get(by_node.get((t["index"], _LINEAR_INPUTS[key])), t["node"])
+            storage = by_node.get((t["index"], _LINEAR_INPUTS[key]))
+            term = t["node"] if storage is None else weights.get(storage, t["node"])
         elif key in _MASKS:
             term = (
                 "softmax dropout mask"

@@ -150,6 +150,9 @@ class HandStage:
             x.requires_grad_(True)
         out = self.module(x)
         if self.is_last:
+            assert self.loss_fn is not None  # __init__ requires it of the last stage
+            if target is None:
+                raise ValueError(f"stage {self.stage} is the last: forward needs the target")
             out = self.loss_fn(out, target)
             self.losses.append(out.detach())
         else:
@@ -169,6 +172,7 @@ class HandStage:
         else:
             out.backward(self.receive("gradient") if grad is None else grad)
         if not self.is_first:
+            assert x.grad is not None  # forward made x require grad on every stage but the first
             self._send("gradient", x.grad, self.stage - 1)
 
     def in_flight(self) -> int:
@@ -193,7 +197,9 @@ class HandStage:
         self.wait_sent(kind)
         tensor = tensor.contiguous()
         peer = self.ranks[stage]  # the global rank of the stage it goes to
-        self._pending[kind] = dist.isend(tensor, dst=peer)
+        work = dist.isend(tensor, dst=peer)
+        assert work is not None  # isend gives None only to a rank outside the default group
+        self._pending[kind] = work
         self.sent.append((kind, peer, tensor.numel() * tensor.element_size()))
 
 
@@ -302,6 +308,10 @@ def run_order(
         One ``(kind, micro-batch, start, end)`` per action, ``perf_counter`` seconds of its
         compute alone.
     """
+    if stage.is_first and inputs is None:
+        raise ValueError(f"stage {stage.stage} is the first: give inputs, one per micro-batch")
+    if stage.is_last and targets is None:
+        raise ValueError(f"stage {stage.stage} is the last: give targets, one per micro-batch")
     if phase is None:
         phase = _no_phase
     spans = []
@@ -315,8 +325,8 @@ def run_order(
         if kind == "F":
             noting = held.saving(i) if held is not None else contextlib.nullcontext()
             with phase("forward"), noting:
-                x = inputs[i] if stage.is_first else received
-                stage.forward(i, x, targets[i] if stage.is_last else None)
+                x = inputs[i] if stage.is_first and inputs is not None else received
+                stage.forward(i, x, targets[i] if stage.is_last and targets is not None else None)
         else:
             with phase("backward"):
                 stage.backward(i, received)

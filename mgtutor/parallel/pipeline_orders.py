@@ -84,7 +84,8 @@ def replay_ticks(
     """
     n = len(orders)
     done: dict[tuple[int, str, int], int] = {}  # (stage, "F"/"B"/"W", mb): its last tick
-    position, rows, tick, busy_until = [0] * n, [[] for _ in range(n)], 0, [-1] * n
+    rows: list[list[Step | None]] = [[] for _ in range(n)]
+    position, tick, busy_until = [0] * n, 0, [-1] * n
     while any(position[r] < len(orders[r]) or busy_until[r] >= tick for r in range(n)):
         ran = False
         for r in range(n):

@@ -250,7 +250,7 @@ class SyncBatchNorm(_BatchNorm):
         )
         if affine and not bias:
             # Removed here rather than passed on: older torch versions take no `bias` argument.
-            self.bias = None
+            self.register_parameter("bias", None)
         self.process_group = process_group
 
     def _check_input_dim(self, input: Tensor) -> None:

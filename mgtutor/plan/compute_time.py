@@ -173,8 +173,11 @@ def product_shapes(model: Any, tp: int = 1) -> tuple[list[tuple[int, int, int, f
     attn_params, mlp_params = matrix_params_per_layer(model)
     qkv_cols = max(int((attn_params - h * h) / h) // tp, 1)
     gated = mlp_params > 2.5 * h * ffn
-    first = [(tokens, h, qkv_cols, 1), (tokens, h, ffn // tp, 2 if gated else 1)]
-    second = [(tokens, h // tp, h, 1), (tokens, ffn // tp, h, 1)]
+    first: list[tuple[int, int, int, float]] = [
+        (tokens, h, qkv_cols, 1),
+        (tokens, h, ffn // tp, 2 if gated else 1),
+    ]
+    second: list[tuple[int, int, int, float]] = [(tokens, h // tp, h, 1), (tokens, ffn // tp, h, 1)]
     heads = b * a / tp
     return first, second, [(s, d, s, heads), (s, s, d, heads)]  # q kᵀ, then scores times v
 

@@ -203,11 +203,12 @@ MEGATRON = Software(tp_overlap="backward", dp_overlap=True, bucket_view=True)
 #: dropout in Llama.
 TORCHTITAN = Software(tp_overlap="none", attention="flash", dropout=False, bucket_view=True)
 
+_A100_HBM, _H100_HBM = 2.039e12, 3.35e12  # bytes/s, the datasheets' (cited below)
 _A100 = Device(
     "A100 SXM4 80GB",
     peak={"mixed": 312e12},
     ceiling={"mixed": 271.2e12},
-    memory_bandwidth=2.039e12,
+    memory_bandwidth=_A100_HBM,
     sms=108,
     source="peak bf16/fp16 dense and 2,039 GB/s: NVIDIA A100 datasheet (nvidia-a100-datasheet-"
     "us-nvidia-1758950-r4); 108 SMs: Ampere whitepaper; ceiling 271.2 TFLOP/s: the largest "
@@ -222,7 +223,7 @@ A100_SELENE = Hardware(
     inter=Link(25e9),
     gpus_per_node=8,
     memory=80 * 10**9,
-    copy=_A100.memory_bandwidth / 2,
+    copy=_A100_HBM / 2,
     source="NVLink busbw ~230 GB/s on A100 at large sizes (12 links x 25 GB/s line rate, ~20 "
     "effective; NCCL's maintainer, NVIDIA/nccl-tests#149); one 200 Gb/s HDR NIC per GPU, 25 "
     "GB/s line rate (Narayanan et al. 2021 section 5; nccl-tests#119 measured 96 of 100 GB/s "
@@ -233,7 +234,7 @@ _H100 = Device(
     "H100 SXM 80GB",
     peak={"mixed": 989e12, "fp8": 1979e12},
     ceiling={"mixed": 794.5e12, "fp8": 1402.6e12},
-    memory_bandwidth=3.35e12,
+    memory_bandwidth=_H100_HBM,
     sms=132,
     source="peak: torchtitan get_peak_flops (989e12, from nvidia.com/en-us/data-center/h100), "
     "fp8 twice that; 132 SMs and 3.35 TB/s HBM3: NVIDIA's H100 whitepaper; ceilings 794.5 "
@@ -247,7 +248,7 @@ H100_SXM_NODE = Hardware(
     inter=Link(50e9),
     gpus_per_node=8,
     memory=80 * 10**9,
-    copy=_H100.memory_bandwidth / 2,
+    copy=_H100_HBM / 2,
     source="NVLink: 450 GB/s line rate, 370 GB/s busbw with NCCL's protocol (ring, and every "
     "collective but all-reduce); all-reduce over 8 GPUs ~480 GB/s busbw with NVLink SHARP, "
     "NCCL's default, as a peak, on messages larger than 256 MiB ('256M is too small to reach "

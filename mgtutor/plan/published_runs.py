@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, fields, replace
-from typing import Any
+from typing import Any, Literal
 
 from mgtutor.plan.compute_time import flops_per_token
 from mgtutor.plan.machine import (
@@ -147,7 +147,7 @@ NARAYANAN_TABLE_2: tuple[Run, ...] = tuple(
 
 @dataclass(frozen=True)
 class _Llama(Transformer):
-    style: str = "llama"
+    style: Literal["gpt", "llama"] = "llama"
 
 
 def llama(**shape: Any) -> Transformer:
@@ -189,8 +189,17 @@ def predict(run: Run, **changes: Any) -> tuple[float, StepTime]:
     """
     run = replace(run, **changes)
     gpus, tp, pp = run.gpus, run.tp, run.pp
-    kwargs = dict(tp=tp, pp=pp, micro_batches=run.micro_batches, recompute=run.recompute)
-    p = plan(run.model, gpus, 10**15, zero=run.zero, precision=run.precision, **kwargs)
+    p = plan(
+        run.model,
+        gpus,
+        10**15,
+        zero=run.zero,
+        precision=run.precision,
+        tp=tp,
+        pp=pp,
+        micro_batches=run.micro_batches,
+        recompute=run.recompute,
+    )
     t = step_time(
         p, run.model, run.hardware, recompute=run.recompute, chunks=run.chunks,
         software=run.software, precision=run.gemm_precision,

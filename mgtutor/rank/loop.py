@@ -100,10 +100,11 @@ def _redirect_output(stdout: Connection, stderr: Connection) -> None:
     os.dup2(stderr.fileno(), 2)
     stdout.close()
     stderr.close()
-    sys.stdout = sys.__stdout__ = open(  # noqa: SIM115 - lives as long as the process
+    # typeshed marks sys.__stdout__ Final; a rank replaces it on purpose, for good.
+    sys.stdout = sys.__stdout__ = open(  # type: ignore[misc]  # noqa: SIM115 - process-long
         1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
     )
-    sys.stderr = sys.__stderr__ = open(  # noqa: SIM115
+    sys.stderr = sys.__stderr__ = open(  # type: ignore[misc]  # noqa: SIM115
         2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
     )
 

@@ -100,7 +100,7 @@ def dumps_on_cpu(result: Any) -> bytes:
 def _cpupickler() -> Any:
     """The pickler class of :func:`dumps_on_cpu`, made once (a class per call cost 20 us)."""
 
-    class _CpuPickler(pickler()):
+    class _CpuPickler(pickler()):  # type: ignore[misc]  # a base chosen at run time
         def reducer_override(self, obj: Any) -> Any:
             torch = sys.modules.get("torch")
             if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
