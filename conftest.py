@@ -52,34 +52,39 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: _LONGEST_FIRST.get(item.path.stem, len(_LONGEST_FIRST)))
 
 
-# The files of the README's test command that took 20 s or more on this 2-core machine
-# (pytest --durations, 2026-11-28; notebook 19 and test_elastic, merged 2026-11-29, placed by
-# their times alone: about 45 s and 30-60 s; notebook 20, merged later, about 60 s), longest first.
+# The files of the README's test command that took 20 s or more on this 2-core machine, longest
+# first (the junit file of `pytest -n 2 --dist loadfile`, 2026-11-29: test_browser 112 s,
+# notebook 09 86 s, ..., test_interrupted 21 s). Files not named go after them, in pytest's order.
 _LONGEST_FIRST = {
     name: i
     for i, name in enumerate(
         (
-            "test_faults",
-            "test_launch",
             "test_browser",
             "09_torchrun_multinode",
-            "19_low_communication",
-            "20_when_a_rank_dies",
-            "02_ddp",
-            "test_elastic",
-            "00_setup",
-            "test_lifetime",
             "18_step_time",
-            "10_debugging",
+            "00_setup",
+            "19_low_communication",
+            "test_lifetime",
+            "02_ddp",
+            "20_when_a_rank_dies",
+            "test_faults",
             "test_pool",
+            "test_build",
+            "10_debugging",
+            "06_input_pipeline",
+            "test_launch",
+            "14_context_parallel",
             "13_tensor_parallel",
             "07_compute_and_communication",
-            "test_build",
-            "14_context_parallel",
-            "17_planning_layouts",
-            "06_input_pipeline",
-            "test_join_race",
+            "12_memory_and_sharding",
+            "test_elastic",
+            "15_pipeline_parallelism",
             "05_gradient_accumulation",
+            "test_join_race",
+            "17_planning_layouts",
+            "test_doctor",
+            "04_sync_batchnorm",
+            "test_interrupted",
         )
     )
 }
