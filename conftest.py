@@ -52,9 +52,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: _LONGEST_FIRST.get(item.path.stem, len(_LONGEST_FIRST)))
 
 
-# The files of the README's test command that took 20 s or more on this 2-core machine, longest
-# first (the junit file of `pytest -n 2 --dist loadfile`, 2026-11-29: test_browser 112 s,
-# notebook 09 86 s, ..., test_interrupted 21 s). Files not named go after them, in pytest's order.
+# The files of the README's test command that took 8 s or more on this 2-core machine, longest
+# first (the junit file of `pytest -n 2 --dist loadfile`, 2026-11-29: test_browser 119 s, notebook
+# 09 90 s, ..., test_layout_pipeline 8 s). Files not named go after them, in pytest's order.
 _LONGEST_FIRST = {
     name: i
     for i, name in enumerate(
@@ -63,28 +63,41 @@ _LONGEST_FIRST = {
             "09_torchrun_multinode",
             "18_step_time",
             "00_setup",
-            "19_low_communication",
-            "test_lifetime",
             "02_ddp",
-            "20_when_a_rank_dies",
             "test_faults",
+            "test_lifetime",
+            "20_when_a_rank_dies",
+            "19_low_communication",
             "test_pool",
+            "07_compute_and_communication",
             "test_build",
+            "14_context_parallel",
+            "test_launch",
             "10_debugging",
             "06_input_pipeline",
-            "test_launch",
-            "14_context_parallel",
             "13_tensor_parallel",
-            "07_compute_and_communication",
             "12_memory_and_sharding",
-            "test_elastic",
-            "15_pipeline_parallelism",
             "05_gradient_accumulation",
-            "test_join_race",
             "17_planning_layouts",
-            "test_doctor",
+            "15_pipeline_parallelism",
+            "test_join_race",
             "04_sync_batchnorm",
+            "test_doctor",
+            "test_elastic",
             "test_interrupted",
+            "test_torchrun",
+            "03_distributed_sampler",
+            "01_data_parallel",
+            "16_expert_parallel",
+            "test_wrong_answers",
+            "test_notebook_figures",
+            "test_step_check",
+            "08_scaling",
+            "21_layouts_run",
+            "11_live_ranks",
+            "test_worker",
+            "test_activation_plan",
+            "test_layout_pipeline",
         )
     )
 }
