@@ -21,10 +21,12 @@
 # - "newest" for both asks pip for the newest pair it gives (set PIP_CONSTRAINT=/dev/null to lift
 #   a machine-wide cap).
 #
-# MGTUTOR_EXTRA_PACKAGES names packages to add (.ci/run adds pytest-xdist).
+# MGTUTOR_EXTRA_PACKAGES names packages to add (e.g. a peer to benchmark against).
 #
 # The environment goes in a temporary folder, removed at the end; set MGTUTOR_TORCH_VENV=PATH
 # to keep it there (an existing one is reused as it is, nothing reinstalled).
+# MGTUTOR_PREPARE_ONLY=1 (with MGTUTOR_TORCH_VENV) makes and checks the environment and runs no
+# test: .ci/run prepares the next stage's while one stage's tests run.
 set -euo pipefail
 if [ $# -lt 2 ]; then
     echo "usage: $0 TORCH TORCHVISION [pytest arguments...]   (e.g. $0 2.11.0 0.26.0," >&2
@@ -41,6 +43,10 @@ if ! command -v "$python" >/dev/null; then
 fi
 
 venv=${MGTUTOR_TORCH_VENV:-}
+if [ -n "${MGTUTOR_PREPARE_ONLY:-}" ] && [ -z "$venv" ]; then
+    echo "$0: MGTUTOR_PREPARE_ONLY needs MGTUTOR_TORCH_VENV=PATH (else the environment is removed at the end)" >&2
+    exit 2
+fi
 if [ -z "$venv" ]; then
     work="$(mktemp -d)"
     trap 'rm -rf "$work"' EXIT
@@ -110,5 +116,9 @@ described=$("$venv/bin/python" -c "
 import platform, torch, torch.distributed as d
 print(f'torch {torch.__version__} (CUDA {torch.version.cuda}, NCCL {d.is_nccl_available()}),',
       f'Python {platform.python_version()}')")
+if [ -n "${MGTUTOR_PREPARE_ONLY:-}" ]; then
+    echo "test_on_torch: $described, ready in $venv"
+    exit 0
+fi
 echo "test_on_torch: $described, python -m pytest $*"
 "$venv/bin/python" -m pytest "$@"
