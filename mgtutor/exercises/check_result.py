@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
+from typing import Final, Literal
 
-__all__ = ["FAILED", "NOT_ATTEMPTED", "PASSED", "CheckResult"]
+__all__ = ["FAILED", "NOT_ATTEMPTED", "PASSED", "CheckResult", "Status"]
 
-PASSED, FAILED, NOT_ATTEMPTED = "passed", "failed", "not attempted"
+#: What a check can answer.
+Status = Literal["passed", "failed", "not attempted"]
+PASSED: Final = "passed"
+FAILED: Final = "failed"
+NOT_ATTEMPTED: Final = "not attempted"
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,7 @@ class CheckResult:
     """
 
     exercise: str
-    status: str
+    status: Status
     message: str
     hint: str = ""
     cases: tuple[str, ...] = ()

@@ -188,7 +188,7 @@ def meeting_seconds(wire: Wire, calls: int, work: float = 0.004) -> float:
     return total / calls
 
 
-def ddp_hook(state: tuple[Wire, dict[int, int]], bucket):  # type: ignore[no-untyped-def]
+def ddp_hook(state: tuple[Wire, dict[int, int]], bucket):
     """A DDP communication hook sending each bucket over ``state``'s wire: the bucket's bytes
     are the declared bytes of its parameters (``state[1]``: id(parameter) -> bytes).
 

@@ -191,7 +191,7 @@ class StepTimer:
         import torch.distributed as dist
 
         # No annotations here: DDP rejects a hook whose annotations are not its own types.
-        def hook(state, bucket):  # type: ignore[no-untyped-def]
+        def hook(state, bucket):
             buffer = bucket.buffer()
             world = dist.get_world_size()
             step_index = self._step

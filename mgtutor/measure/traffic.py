@@ -331,12 +331,11 @@ def count_steps(
         return _pipeline_steps(modules, model, rank, steps, micro_batches)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp: DDP | None = None  # the DDP wrapper, for no_sync
     net: nn.Module
     if strategy in ("ddp", "zero1"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        net = ddp = DDP(modules)
+        net = DDP(modules)
         opt = (
             ZeroRedundancyOptimizer(net.parameters(), optimizer_class=torch.optim.Adam)
             if strategy == "zero1"
@@ -358,8 +357,11 @@ def count_steps(
     for step in range(steps):
         with record_collectives() as calls:
             for i in range(micro_batches):
-                sync = i == micro_batches - 1 or strategy not in ("ddp", "zero1")
-                with contextlib.nullcontext() if sync or ddp is None else ddp.no_sync():
+                # DDP (ddp, zero1) all-reduces only at the last micro-batch; FSDP2 after each.
+                last = i == micro_batches - 1
+                with (
+                    net.no_sync() if isinstance(net, DDP) and not last else contextlib.nullcontext()
+                ):
                     x = _inputs(model, model.micro_batch, seed=1000 * step + 10 * i + rank)
                     net(x).pow(2).mean().backward()
             opt.step()

@@ -312,6 +312,9 @@ def run_order(
         raise ValueError(f"stage {stage.stage} is the first: give inputs, one per micro-batch")
     if stage.is_last and targets is None:
         raise ValueError(f"stage {stage.stage} is the last: give targets, one per micro-batch")
+    # Bound once, past the checks above: a stage reads only the one it needs.
+    first_inputs = inputs if inputs is not None else ()
+    last_targets = targets if targets is not None else ()
     if phase is None:
         phase = _no_phase
     spans = []
@@ -325,8 +328,8 @@ def run_order(
         if kind == "F":
             noting = held.saving(i) if held is not None else contextlib.nullcontext()
             with phase("forward"), noting:
-                x = inputs[i] if stage.is_first and inputs is not None else received
-                stage.forward(i, x, targets[i] if stage.is_last and targets is not None else None)
+                x = first_inputs[i] if stage.is_first else received
+                stage.forward(i, x, last_targets[i] if stage.is_last else None)
         else:
             with phase("backward"):
                 stage.backward(i, received)

@@ -116,7 +116,7 @@ def grid_of(
 
     Raises:
         ValueError: ``layout`` together with dp, tp or pp; a grid of another size than
-            ``gpus``; a size below 1.
+            ``gpus``; fewer than 1 GPU; a size below 1 (:class:`~mgtutor.grid.Layout`'s error).
     """
     if layout is not None:
         if (dp, tp, pp) != (None, None, None):
@@ -130,9 +130,12 @@ def grid_of(
                 f"pass gpus={layout.world_size} or another layout"
             )
         return layout
+    if gpus < 1:
+        raise ValueError(f"plan: gpus={gpus}; pass the number of GPUs, 1 or more")
     tp, pp = 1 if tp is None else tp, 1 if pp is None else pp
-    dp = gpus // (tp * pp) if dp is None else dp
-    if min(dp, tp, pp, gpus) < 1 or dp * tp * pp != gpus:
+    given = Layout(dp=1 if dp is None else dp, tp=tp, pp=pp)  # names a size below 1
+    dp = gpus // given.world_size if dp is None else dp  # what tp and pp leave
+    if dp * tp * pp != gpus:
         raise ValueError(
             f"dp x tp x pp must equal gpus ({gpus}) with every size at least 1; got dp={dp}, "
             f"tp={tp}, pp={pp}: choose sizes whose product is the number of GPUs"

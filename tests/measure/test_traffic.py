@@ -3,7 +3,8 @@
 One launch (cached for the module) trains :func:`traffic.build`'s model for three steps under
 DDP, DDP + ZeroRedundancyOptimizer, FSDP2 with and without resharding after forward, and a
 2-stage 1F1B pipeline, recording every call each rank makes to a process group, and (torch
-2.14) Flight Recorder's entries for the same steps.
+2.14) Flight Recorder's entries for the same steps. Before them, an all-reduce on a subgroup of
+the same ranks and one on the default group check that each call names its own group.
 """
 
 from __future__ import annotations
@@ -64,6 +65,18 @@ def _written_by_collectives() -> dict[str, int | None]:
     return out
 
 
+def _record_on_two_groups() -> dict[str, object]:
+    """An all-reduce on a subgroup, then one on the default group, recorded."""
+    import torch.distributed as dist
+
+    # The default group's ranks under another name: their size alone cannot tell them apart.
+    sub = dist.new_group([0, 1])
+    with traffic.record_collectives() as calls:
+        dist.all_reduce(torch.ones(2), group=sub)
+        dist.all_reduce(torch.ones(2))
+    return {"calls": calls, "sub": sub.group_name, "default": dist.group.WORLD.group_name}
+
+
 def _count_in_ranks() -> dict:
     mgtutor.setup()
     recorder, _ = recorder_available()
@@ -75,6 +88,7 @@ def _count_in_ranks() -> dict:
     if torch_release() < (2, 6):  # older gloo pipelines could hang (pytorch#132644)
         out["missing"]["pp"] = "the pipeline case runs with torch >= 2.6 only"
     out["written"] = _written_by_collectives()
+    out["groups"] = _record_on_two_groups()
     for strategy, micro in MICRO.items():
         if strategy in out["missing"]:
             continue
@@ -104,6 +118,15 @@ def test_sent_bytes_follow_the_ring() -> None:
     assert Call("send", 2, buffer, "send").sent_bytes == buffer
     assert Call("recv", 2, buffer, "recv_").sent_bytes == 0
     assert Call("barrier", 2, 4, "barrier").sent_bytes == 0
+
+
+def test_each_call_names_the_group_it_went_to(ranks) -> None:
+    for recorded in (rank["groups"] for rank in ranks):
+        assert recorded["sub"] != recorded["default"]
+        assert [(c.name, c.size, c.group) for c in recorded["calls"]] == [
+            ("all_reduce", 2, recorded["sub"]),
+            ("all_reduce", 2, recorded["default"]),
+        ]
 
 
 def test_build_holds_the_planners_parameter_count() -> None:

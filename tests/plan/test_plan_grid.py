@@ -38,6 +38,19 @@ def test_a_layout_of_another_size_than_gpus_is_refused() -> None:
         plan(MODEL, 8, GB, layout=Layout(dp=2, tp=2))
 
 
+@pytest.mark.parametrize(
+    ("sizes", "named"), [({"tp": 0}, "tp=0"), ({"dp": -2, "tp": -4}, "dp=-2"), ({"pp": 0}, "pp=0")]
+)
+def test_a_size_below_1_is_refused_by_name(sizes, named) -> None:
+    with pytest.raises(ValueError, match=rf"{named} must be a whole number of ranks"):
+        plan(MODEL, 8, GB, **sizes)
+
+
+def test_no_gpus_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"gpus=0; pass the number of GPUs"):
+        plan(MODEL, 0, GB)
+
+
 def test_sizes_that_do_not_multiply_to_gpus_are_still_refused() -> None:
     with pytest.raises(ValueError, match=r"dp x tp x pp must equal gpus \(8\)"):
         plan(MODEL, 8, GB, dp=3, tp=2)
