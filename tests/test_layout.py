@@ -262,7 +262,7 @@ def private_imports(modules: dict[str, Path], root: Path = PACKAGE.parent) -> li
     """``file:line name`` for each import of another mgtutor module's private name.
 
     A private module (``launcher._processes``) is private to its package: its package and the
-    packages inside it may import it, nobody else. A private name (``_measure_rank``) is
+    packages inside it may import it, nobody else. A private name (``_helper``) is
     private to its module: no other module imports it, sibling or not.
     """
     found = []
