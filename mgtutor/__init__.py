@@ -158,7 +158,7 @@ def __dir__() -> list[str]:
 
 def _start_server_in_a_kernel() -> None:
     # In a Jupyter kernel a launch nearly always follows: start the ranks' forkserver now, so
-    # that its imports overlap with the notebook's first cells (see _processes.start_server_early).
+    # that its imports overlap with the notebook's first cells (see launcher.start_server_early).
     # Not in scripts, not in ranks, and never at the cost of the import itself.
     import multiprocessing
 
@@ -167,12 +167,9 @@ def _start_server_in_a_kernel() -> None:
     if os.environ.get("MGTUTOR_EARLY_SERVER", "1") == "0":
         return
     try:
-        from mgtutor.launcher import _arguments, _processes
+        from mgtutor.launcher import start_server_early
 
-        if _arguments.default_start_method() != "forkserver":  # macOS: ranks are spawned
-            return
-
-        _processes.start_server_early()
+        start_server_early()  # not on macOS, where ranks are spawned
     except Exception:  # an optimisation only: the first launch starts the server otherwise
         pass
 

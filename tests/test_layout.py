@@ -244,3 +244,152 @@ def test_every_module_a_docstring_names_exists() -> None:
             if not (target.with_suffix(".py").exists() or (target / "__init__.py").exists()):
                 missing.append(f"{path.relative_to(PACKAGE.parent)}: {name}")
     assert not missing, "docstrings name modules that do not exist: " + ", ".join(missing)
+
+
+def _is_private(name: str) -> bool:
+    """``_name``: one leading underscore; not ``__dunder__``, ``__mangled`` or ``_sunder_``.
+
+    A ``_sunder_`` name (``_repr_html_``) is a protocol another library calls, not a secret.
+    """
+    return name.startswith("_") and not name.startswith("__") and not name.endswith("_")
+
+
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def private_imports(modules: dict[str, Path], root: Path = PACKAGE.parent) -> list[str]:
+    """``file:line name`` for each import of another mgtutor module's private name.
+
+    A private module (``launcher._processes``) is private to its package: its package and the
+    packages inside it may import it, nobody else. A private name (``_helper``) is
+    private to its module: no other module imports it, sibling or not.
+    """
+    found = []
+    for name, path in modules.items():
+        package = _package_of(name, path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                targets = [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                parts = target.split(".")
+                if parts[0] != "mgtutor":
+                    continue
+                for i, part in enumerate(parts[1:], start=1):
+                    if not _is_private(part):
+                        continue
+                    owner = ".".join(parts[:i])  # the package or module the part lies in
+                    if ".".join(parts[: i + 1]) in modules:  # a private module
+                        allowed = package == owner or package.startswith(owner + ".")
+                    else:  # a private name of module `owner`
+                        allowed = owner == name
+                    if not allowed:
+                        where = path.relative_to(root)
+                        found.append(f"{where}:{node.lineno} imports {target}")
+                        break
+    return found
+
+
+def _class_attributes(tree: ast.AST) -> set[str]:
+    """The private names a module's classes define: methods, class-level names, ``self.x =``."""
+    names = set()
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
+                names.add(node.attr)
+    return {name for name in names if _is_private(name)}
+
+
+def _imported_from_outside(tree: ast.AST) -> set[str]:
+    """The names a module binds by importing from outside mgtutor (``os``, ``dist``)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] != "mgtutor":
+                    names.add(alias.asname or alias.name.split(".")[0])
+        elif (
+            isinstance(node, ast.ImportFrom)
+            and not node.level
+            and (node.module or "").split(".")[0] != "mgtutor"
+        ):
+            names |= {alias.asname or alias.name for alias in node.names}
+    return names
+
+
+def private_attributes(modules: dict[str, Path], root: Path = PACKAGE.parent) -> list[str]:
+    """``file:line name`` for each ``x._name`` that reaches into another module's class.
+
+    The rule, kept simple: ``x._name`` where ``x`` is not ``self`` or ``cls``, ``_name`` is
+    defined by a class (a method, a class-level name or a ``self._name =``) in another mgtutor
+    module, and by no class of this module (a class may touch its own kind's privates, as
+    ``other._key`` in ``__eq__``). Types are not followed, so a name imported from outside
+    mgtutor (``os`` in ``os._exit``) is skipped: torch's and the standard library's private
+    names are outside this test.
+    """
+    trees = {name: ast.parse(path.read_text()) for name, path in modules.items()}
+    defined = {name: _class_attributes(tree) for name, tree in trees.items()}
+    found = []
+    for name, tree in trees.items():
+        others = set().union(*(names for other, names in defined.items() if other != name))
+        foreign = {"self", "cls"} | _imported_from_outside(tree)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or node.attr in defined[name]:
+                continue
+            if isinstance(node.value, ast.Name) and node.value.id in foreign:
+                continue
+            if node.attr in others:
+                where = modules[name].relative_to(root)
+                found.append(f"{where}:{node.lineno} uses .{node.attr}")
+    return found
+
+
+def test_the_private_name_checks_find_a_reach_in_and_pass_a_sibling(tmp_path: Path) -> None:
+    package = tmp_path / "mgtutor"
+    (package / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": '"""."""\nfrom mgtutor.sub import _inner\n',
+        "sub/__init__.py": '"""."""\n',
+        "sub/_inner.py": '"""."""\nclass Box:\n    def _hidden(self):\n        self._n = 1\n',
+        "sub/face.py": '"""."""\nfrom mgtutor.sub import _inner\nfrom ._inner import Box\n',
+        "user.py": '"""."""\nimport os\nfrom mgtutor.sub.face import _helper\n'
+        "def f(box):\n    box._n = 2\n    os._hidden()\n",
+    }
+    modules = {}
+    for relative, text in files.items():
+        path = package / relative
+        path.write_text(text)
+        parts = Path(relative).with_suffix("").parts
+        modules[".".join(("mgtutor", *parts[: -1 if parts[-1] == "__init__" else None]))] = path
+    assert private_imports(modules, tmp_path) == [
+        "mgtutor/__init__.py:2 imports mgtutor.sub._inner",
+        "mgtutor/user.py:3 imports mgtutor.sub.face._helper",
+    ]
+    assert private_attributes(modules, tmp_path) == ["mgtutor/user.py:5 uses ._n"]  # not os._
+
+
+def test_no_module_uses_another_modules_private_names() -> None:
+    # A module that reaches into another's private names shows a seam in the wrong place
+    # (issue 44): the name should be public, or the code should live with its user.
+    modules = _modules()
+    found = private_imports(modules) + private_attributes(modules)
+    assert not found, "private names used from another module:\n" + "\n".join(found)

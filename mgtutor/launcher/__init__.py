@@ -25,3 +25,15 @@ Where it stands: above the rank's side (:mod:`mgtutor.rank`), what a rank record
 (:mod:`mgtutor.measure`), the hang doctor (:mod:`mgtutor.doctor`) and :mod:`mgtutor.worker`;
 below :mod:`mgtutor.exercises` and the package's face, which launch through it.
 """
+
+
+def start_server_early() -> None:
+    """Start the ranks' forkserver now, in the background, where ranks start from one.
+
+    Where ranks are spawned (macOS) there is no server to start. The package's face calls it in
+    a Jupyter kernel (see :func:`._processes.start_server_early`).
+    """
+    from mgtutor.launcher import _arguments, _processes
+
+    if _arguments.default_start_method() == "forkserver":
+        _processes.start_server_early()

@@ -11,30 +11,48 @@ was, and shows none of mgtutor's frames. A second interrupt skips the asking and
 A pool first interrupts fn on each rank (SIGINT): ranks that stop are kept; ranks blocked in
 native code (a collective) cannot be interrupted and are stopped, as a launch's always are.
 
-Each function takes the :class:`~._supervise.Supervisor` whose wait was interrupted (typed
-``Any``: ``_supervise`` imports this module, and the layout test forbids import loops).
+Each function takes the :class:`~._supervise.Supervisor` whose wait was interrupted, typed as
+:class:`Supervising`, what they use of it: ``_supervise`` imports this module, and the layout
+test forbids import loops, even an import only for type checking.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from typing import Any
+from typing import Any, Protocol
 
 from mgtutor.errors import WorkerInterrupted
 from mgtutor.launcher import _report
 from mgtutor.launcher._handle import RankHandle
-from mgtutor.launcher._report import PAUSED_HOW, ranks_named
+from mgtutor.launcher._report import PAUSED_HOW, Wording, ranks_named
+from mgtutor.launcher.progress_bars import ProgressBoard
 
-__all__ = ["after_interrupt"]
+__all__ = ["Supervising", "after_interrupt"]
 
 # A pool's ranks get this long to stop fn (KeyboardInterrupt in each) before they are stopped.
 _INTERRUPT_GRACE_S = 3.0
 _HOW = "(Stop, Kernel > Interrupt or Ctrl+C)"
 
 
+class Supervising(Protocol):
+    """What an interrupt uses of the :class:`~._supervise.Supervisor` whose wait it ended."""
+
+    handles: list[RankHandle]
+    board: ProgressBoard | None
+    wording: Wording
+    dump_paths: dict[int, str]
+    stopped: bool
+
+    def stop(self, primary: RankHandle | None = None) -> str: ...
+    def stacks(self, ranks: list[RankHandle]) -> dict[int, str]: ...
+    def wait_answered(self, targets: list[RankHandle], seconds: float) -> None: ...
+    def wait_relayed(self, targets: list[RankHandle]) -> None: ...
+    def drain(self, grace: float) -> None: ...
+
+
 def after_interrupt(
-    sup: Any, targets: list[RankHandle], keep: bool, phase: str = "running"
+    sup: Supervising, targets: list[RankHandle], keep: bool, phase: str = "running"
 ) -> WorkerInterrupted:
     """Stop what an interrupt must stop; the error that says what the ranks were doing.
 
@@ -53,7 +71,7 @@ def after_interrupt(
     paused = _paused_note(running)  # before they are stopped
     diagnosis, stacks = _gathered(sup, running, records=phase == "running")
     cleanup = _stop_anyway(sup)
-    sup._drain(0.2)
+    sup.drain(0.2)
     _finish_board(sup)
     work = _lower(sup.wording.work)
     if phase == "starting":
@@ -89,7 +107,7 @@ def _paused_note(ranks: list[RankHandle]) -> str:
     )
 
 
-def _interrupt_pool(sup: Any, targets: list[RankHandle]) -> WorkerInterrupted:
+def _interrupt_pool(sup: Supervising, targets: list[RankHandle]) -> WorkerInterrupted:
     """Interrupt fn on every rank of a pool; stop them all if some cannot be interrupted."""
     busy = [h for h in targets if not h.answered]
     for h in busy:
@@ -99,7 +117,7 @@ def _interrupt_pool(sup: Any, targets: list[RankHandle]) -> WorkerInterrupted:
             pass
     pressed_again = False
     try:
-        sup._wait_answered(targets, _INTERRUPT_GRACE_S)
+        sup.wait_answered(targets, _INTERRUPT_GRACE_S)
     except KeyboardInterrupt:
         pressed_again = True  # stop them below, without asking where they are
     stuck = [h for h in targets if not h.answered]
@@ -113,7 +131,7 @@ def _interrupt_pool(sup: Any, targets: list[RankHandle]) -> WorkerInterrupted:
     }
     work = _lower(sup.wording.work)
     if not (stuck or died):
-        sup._wait_relayed(targets)
+        sup.wait_relayed(targets)
         _finish_board(sup)
         summary = (
             f"The cell was interrupted {_HOW}: {work} stopped on every rank; "
@@ -123,7 +141,7 @@ def _interrupt_pool(sup: Any, targets: list[RankHandle]) -> WorkerInterrupted:
     paused = _paused_note(stuck)  # before they are stopped
     diagnosis, stacks = (None, {}) if pressed_again else _gathered(sup, stuck, records=True)
     cleanup = _stop_anyway(sup)
-    sup._drain(0.2)
+    sup.drain(0.2)
     _finish_board(sup)
     summary = (
         f"The cell was interrupted {_HOW} before {ranks_named(busy)} finished {work}; "
@@ -139,7 +157,9 @@ def _interrupt_pool(sup: Any, targets: list[RankHandle]) -> WorkerInterrupted:
     )
 
 
-def _gathered(sup: Any, ranks: list[RankHandle], records: bool) -> tuple[Any, dict[int, str]]:
+def _gathered(
+    sup: Supervising, ranks: list[RankHandle], records: bool
+) -> tuple[Any, dict[int, str]]:
     """The doctor's diagnosis and the ranks' stacks, as a timeout takes them.
 
     Bounded: the doctor waits 1 s for the ranks' records, the stacks come within 2 s. A second
@@ -150,21 +170,21 @@ def _gathered(sup: Any, ranks: list[RankHandle], records: bool) -> tuple[Any, di
     try:
         if records:
             diagnosis = _report.diagnose(sup.handles, sup.dump_paths, sup.wording)
-        stacks = sup._stacks(ranks)
+        stacks = sup.stacks(ranks)
     except KeyboardInterrupt:
         pass
     return diagnosis, stacks
 
 
-def _stop_anyway(sup: Any) -> str:
+def _stop_anyway(sup: Supervising) -> str:
     """Stop every rank; an interrupt meanwhile starts the stopping again rather than end it."""
     try:
-        return sup._stop()
+        return sup.stop()
     except KeyboardInterrupt:
-        return sup._stop()
+        return sup.stop()
 
 
-def _finish_board(sup: Any) -> None:
+def _finish_board(sup: Supervising) -> None:
     if sup.board is not None:
         sup.board.finish(-1)
 

@@ -23,7 +23,7 @@ from mgtutor.errors import WorkerTimeout
 from mgtutor.launcher import _cleanup, _interrupted, _report
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._report import Wording, ranks_named
-from mgtutor.launcher._watch import _POLL_S, RankWatch, _ended
+from mgtutor.launcher._watch import POLL_S, RankWatch, ended_sentinels
 from mgtutor.launcher.progress_bars import ProgressBoard
 
 _DRAIN_GRACE_S = 1.0
@@ -52,7 +52,7 @@ class Supervisor(RankWatch):
         if self.stopped or any(h.process.pid is None for h in self.handles):
             return False
         try:  # one look at every rank's exit, not a wait each (pool.run asks at every call)
-            return not _ended([h.process.sentinel for h in self.handles])
+            return not ended_sentinels([h.process.sentinel for h in self.handles])
         except ValueError:  # a process already closed
             return False
 
@@ -68,7 +68,7 @@ class Supervisor(RankWatch):
         deadline = None if start_timeout is None else time.monotonic() + start_timeout
         try:
             while not all(h.ready for h in self.handles):
-                self._pump(_POLL_S)
+                self._pump(POLL_S)
                 self._reap()
                 if any(h.failed_at is not None for h in self.handles):
                     self._raise_failure(self.handles, keep=False)
@@ -105,7 +105,7 @@ class Supervisor(RankWatch):
         all_started = False
         try:
             while True:
-                self._pump(_POLL_S)
+                self._pump(POLL_S)
                 if self.maybe_ended:
                     self._reap()
                 if any(h.failed_at is not None for h in self.handles):
@@ -126,7 +126,8 @@ class Supervisor(RankWatch):
 
     # --- faults -----------------------------------------------------------------------------
 
-    def _stop(self, primary: RankHandle | None = None) -> str:
+    def stop(self, primary: RankHandle | None = None) -> str:
+        """Stop every rank and what it started (``primary`` first); what was stopped, worded."""
         cleanup = _cleanup.stop_all(self.handles, primary, self.wording.owner)
         self.stopped = True
         return f"{cleanup} {self.wording.note}".strip()
@@ -152,8 +153,8 @@ class Supervisor(RankWatch):
                     self.board.finish(first.rank)
                 raise _report.describe(first, kept, diagnosis)
         diagnosis = _report.diagnose(self.handles, self.dump_paths, self.wording)
-        cleanup = self._stop(primary=first)
-        self._drain(_DRAIN_GRACE_S)
+        cleanup = self.stop(primary=first)
+        self.drain(_DRAIN_GRACE_S)
         if self.board is not None:
             self.board.finish(first.rank)
         raise _report.describe(first, cleanup, diagnosis)
@@ -167,16 +168,16 @@ class Supervisor(RankWatch):
             The sentence to report (None when a rank died meanwhile: the caller stops them
             all), and the doctor's diagnosis when some ranks were stuck.
         """
-        self._wait_answered(targets, _PEER_GRACE_S)
+        self.wait_answered(targets, _PEER_GRACE_S)
         if any(h.error is None and h.failed_at is not None for h in self.handles):
             return None, None  # one died meanwhile
         stuck = [h for h in targets if not h.answered]
         if stuck:
             diagnosis = _report.diagnose(self.handles, self.dump_paths, self.wording)
-            stacks = self._stacks(stuck)
+            stacks = self.stacks(stuck)
             they = "it waits" if len(stuck) == 1 else "they wait"
-            cleanup = self._stop(primary=first)
-            self._drain(_DRAIN_GRACE_S)
+            cleanup = self.stop(primary=first)
+            self.drain(_DRAIN_GRACE_S)
             where = "".join(
                 f"\nWhere rank {h.rank} was (most recent call last):\n{stacks[h.rank]}"
                 for h in stuck
@@ -187,7 +188,7 @@ class Supervisor(RankWatch):
                 f"most likely {they} in a collective rank {first.rank} will never reach.{where}",
             )
             return cleanup, diagnosis
-        self._wait_relayed(targets)
+        self.wait_relayed(targets)
         others = [h for h in targets if h is not first]
         also = [h for h in others if h.error is not None]
         fine = [h for h in others if h.done is not None]
@@ -211,9 +212,9 @@ class Supervisor(RankWatch):
         diagnosis = (
             None if starting else _report.diagnose(self.handles, self.dump_paths, self.wording)
         )
-        stacks = self._stacks(running)
-        cleanup = self._stop()
-        self._drain(_DRAIN_GRACE_S)
+        stacks = self.stacks(running)
+        cleanup = self.stop()
+        self.drain(_DRAIN_GRACE_S)
         if self.board is not None:
             self.board.finish(running[0].rank if running else -1)
         if starting:
@@ -257,7 +258,7 @@ class Supervisor(RankWatch):
             diagnosis=diagnosis,
         )
 
-    def _stacks(self, ranks: list[RankHandle]) -> dict[int, str]:
+    def stacks(self, ranks: list[RankHandle]) -> dict[int, str]:
         """Each rank's Python stack now, from its faulthandler (works while it is blocked)."""
         paused = {h.rank for h in ranks if h.paused()}
         ranks = [h for h in ranks if h.rank not in paused]
@@ -285,20 +286,20 @@ class Supervisor(RankWatch):
 
     # --- the end ----------------------------------------------------------------------------
 
-    def _wait_answered(self, targets: list[RankHandle], seconds: float) -> None:
+    def wait_answered(self, targets: list[RankHandle], seconds: float) -> None:
         """Relay and reap until every target answered its call (or ended), or ``seconds``."""
         until = time.monotonic() + seconds
         while time.monotonic() < until and not all(h.answered for h in targets):
             self._pump(0.05)
             self._reap()
 
-    def _wait_relayed(self, targets: list[RankHandle]) -> None:
+    def wait_relayed(self, targets: list[RankHandle]) -> None:
         """Relay until each target's output of its call has been relayed, or a grace."""
         until = time.monotonic() + _DRAIN_GRACE_S
         while time.monotonic() < until and not all(h.output.relayed(h.call) for h in targets):
             self._pump(0.05)
 
-    def _drain(self, grace: float) -> None:
+    def drain(self, grace: float) -> None:
         """Relay what the ranks wrote before they ended, until their pipes close or ``grace``."""
         until = time.monotonic() + grace
         while time.monotonic() < until and any(h.output.open - {"diag"} for h in self.handles):
@@ -322,10 +323,10 @@ class Supervisor(RankWatch):
                     self.send(h, exit_message)
             try:
                 while any(h.exitcode is None for h in started):
-                    self._pump(_POLL_S)
+                    self._pump(POLL_S)
                     self._reap()
                     _cleanup.stop_lingering(self.handles)
-                self._drain(_DRAIN_GRACE_S)
+                self.drain(_DRAIN_GRACE_S)
                 _cleanup.stop_leftovers(self.handles)
             except KeyboardInterrupt:
                 raise _interrupted.after_interrupt(self, started, False, "exiting") from None
@@ -333,12 +334,12 @@ class Supervisor(RankWatch):
                 self._close_pipes()
             return
         if any(h.process.pid is not None and h.process.is_alive() for h in self.handles):
-            self._stop()
+            self.stop()
         self._close_pipes()
 
     def _close_pipes(self) -> None:
         if any(h.process.pid is not None and h.process.is_alive() for h in self.handles):
-            self._stop()
+            self.stop()
         for h in self.handles:
             if h.closed:
                 continue

@@ -19,9 +19,10 @@ from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher.progress_bars import ProgressBoard
 from mgtutor.rank.messages import Done, Failed, Hello, Progress, Ready
 
-__all__ = ["RankWatch"]
+__all__ = ["POLL_S", "RankWatch", "ended_sentinels"]
 
-_POLL_S = 0.1
+# The longest a wait for the ranks listens before it looks at its clocks again.
+POLL_S = 0.1
 
 
 class RankWatch:
@@ -139,7 +140,7 @@ class RankWatch:
         if not running:
             return
         # One look at every rank's exit (a forkserver rank's is_alive is a wait of its own).
-        ended = _ended([h.process.sentinel for h in running])
+        ended = ended_sentinels([h.process.sentinel for h in running])
         for h in running:
             if h.process.sentinel not in ended or h.process.is_alive():
                 continue
@@ -158,7 +159,7 @@ class RankWatch:
             return False
 
 
-def _ended(sentinels: list[int]) -> list[int]:
+def ended_sentinels(sentinels: list[int]) -> list[int]:
     """The process sentinels that are readable now (their processes ended), without waiting."""
     if not hasattr(select, "poll"):
         return [s for s in wait(sentinels, 0) if isinstance(s, int)]  # all are: sentinels

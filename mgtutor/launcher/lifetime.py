@@ -280,7 +280,7 @@ def _stop_what_is_idle(now: float) -> float:
         if timeout is None or pool.closed or not pool.alive:
             continue
         if now - watched.last_used >= timeout:
-            pool._shutdown()
+            pool.stop_ranks()
             watched.stopped_after = timeout
         else:
             due = min(due, watched.last_used + timeout)

@@ -258,12 +258,12 @@ def ddp(line: str, cell: str) -> Any:
         tab, outputs = tabs
         display_widget(tab, _tabs_text(ranks))
         # The tabs replace the tagged lines: each rank's output is shown once.
-        pool._sink = lambda rank, stream, text: _to_tab(outputs, rank, stream, text)
+        pool.output_sink = lambda rank, stream, text: _to_tab(outputs, rank, stream, text)
     values = _notebook_values(cell, _user_namespace())
     try:
         run = pool.run(_run_source, cell, filename, values, ranks=ranks, timeout=options.timeout)
     finally:
-        pool._sink = None
+        pool.output_sink = None
     for r, value in zip(ranks, run.results):
         if value is None:
             continue

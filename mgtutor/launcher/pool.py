@@ -150,9 +150,8 @@ class Pool:
         self._store: Any = None
         self.closed = False
         self.started_at = 0.0
-        # Where each relayed line goes instead of the cell during a call
-        # (``sink(rank, stream, text)``): %%ddp's per-rank tabs.
-        self._sink: Callable[[int, str, str], None] | None = None
+        # Where relayed lines go instead of the cell, as sink(rank, stream, text): %%ddp's tabs.
+        self.output_sink: Callable[[int, str, str], None] | None = None
         self._open(idle_timeout)
 
     # --- starting and stopping --------------------------------------------------------------
@@ -206,10 +205,11 @@ class Pool:
             # The ranks' own choice where they made one at the start (backend=None: setup's).
             self.backend = _handle.agreed_backend(supervisor.handles) or asked
         except BaseException:
-            self._shutdown()
+            self.stop_ranks()
             raise
 
-    def _shutdown(self) -> None:
+    def stop_ranks(self) -> None:
+        """End the ranks but keep the pool open: its next call starts new ones (idle timeout)."""
         if self._supervisor is not None:
             try:
                 self._supervisor.close(Exit())
@@ -226,11 +226,11 @@ class Pool:
         says so. Calling close twice is harmless.
         """
         self.closed = True
-        self._shutdown()
+        self.stop_ranks()
 
     def restart(self) -> None:
         """Stop every rank and start new ones (what the ranks held is lost)."""
-        self._shutdown()
+        self.stop_ranks()
         self.closed = False
         self._start()
 
@@ -341,7 +341,7 @@ class Pool:
         pickled = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)
         for h in handles:
             h.begin(call.call)
-            h.output.sink = self._sink
+            h.output.sink = self.output_sink
             if not supervisor.send_pickled(h, pickled):
                 h.failed_at = time.perf_counter()  # its pipe closed: the process has gone
         board = ProgressBoard(self.world_size, quiet)
@@ -374,7 +374,7 @@ class Pool:
             "ones. What the old ranks held (models, optimizers, names) is gone.",
             flush=True,
         )
-        self._shutdown()
+        self.stop_ranks()
         self._start()
 
     def push(self, ranks: Sequence[int] | None = None, **values: Any) -> None:

@@ -44,7 +44,7 @@ from mgtutor.measure.step_calibrate import (
     step_clock,
     with_latencies,
 )
-from mgtutor.measure.step_windows import WINDOW, _measure_rank, window_crowding
+from mgtutor.measure.step_windows import WINDOW, measure_rank, window_crowding
 from mgtutor.plan.machine import Hardware, Link, Software, StepTime
 from mgtutor.plan.planner import plan
 from mgtutor.plan.shape import Transformer
@@ -359,7 +359,7 @@ def check(
         for name in configs:
             c = CONFIGS[name]
             ranks = list(range(c.ranks))
-            run = pool.run(_measure_rank, c, count[name], window, calls, ranks=ranks, quiet=True)
+            run = pool.run(measure_rank, c, count[name], window, calls, ranks=ranks, quiet=True)
             per_rank = [r for r in run.results if r is not None]
             for i in range(count[name]):  # each step: the slower rank's
                 got[name].setdefault("seconds", []).append(max(r["seconds"][i] for r in per_rank))

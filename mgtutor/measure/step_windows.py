@@ -1,6 +1,6 @@
 """What each rank of the step-time check measures per step, and how crowded each window was.
 
-:func:`_measure_rank` runs on each rank of :func:`mgtutor.measure.step_check.check`: a
+:func:`measure_rank` runs on each rank of :func:`mgtutor.measure.step_check.check`: a
 configuration's steps, with the re-timings that set each step's prediction, and over each window
 (those timings, then the step) the CPU seconds and run-queue waits that say whether other work
 crowded the ranks; :func:`window_crowding` turns one window of every rank into one figure, which
@@ -22,13 +22,13 @@ from mgtutor.measure.step_calibrate import (
     step_clock,
 )
 
-__all__ = ["WINDOW", "window_crowding"]
+__all__ = ["WINDOW", "measure_rank", "window_crowding"]
 
 #: per step: the CPUs' busy seconds, the rank's own, wall-clock, its threads' run-queue waits
 WINDOW = ("busy", "own", "wall", "waited")
 
 
-def _measure_rank(config: Any, steps: int, window: float, calls: int) -> dict[str, list]:
+def measure_rank(config: Any, steps: int, window: float, calls: int) -> dict[str, list]:
     """This rank's seconds of ``steps`` steps, each started together; before each, for real
     configurations, the reference product's FLOP/s and (2 ranks) the small collectives'; and
     over each window (those timings and the step) the busy CPU seconds of the CPUs the rank
@@ -78,7 +78,7 @@ def _measure_rank(config: Any, steps: int, window: float, calls: int) -> dict[st
 
 
 def window_crowding(per_rank: list[dict[str, list]], i: int, emulated: bool = False) -> float:
-    """How crowded window ``i`` of :func:`_measure_rank`'s results (one per rank) was: other
+    """How crowded window ``i`` of :func:`measure_rank`'s results (one per rank) was: other
     work's CPU in cores (the busy seconds of the longer window less every rank's own, over its
     wall-clock seconds), or, ``emulated``, the seconds the ranks' threads waited for a core over
     the wall-clock seconds (:func:`~mgtutor.measure.other_work.waited_seconds`; other work's

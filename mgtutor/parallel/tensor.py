@@ -40,9 +40,9 @@ from torch import nn
 
 from mgtutor.parallel.tensor_comms import (
     Group,
-    _record,
     copy_to_parallel,
     gather_from_sequence,
+    record_collective,
     reduce_from_parallel,
     reduce_scatter_to_sequence,
 )
@@ -281,7 +281,7 @@ def all_reduce_replicated_grads(modules: Any, group: Group = None) -> None:
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    _record("all_reduce", "backward", flat.nbytes)
+    record_collective("all_reduce", "backward", flat.nbytes)
     dist.all_reduce(flat, group=group)
     for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(summed.view_as(grad))

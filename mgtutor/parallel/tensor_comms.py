@@ -63,11 +63,14 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 __all__ = [
     "Collective",
     "CollectiveCounter",
+    "all_gather_along",
     "by_kind",
     "copy_to_parallel",
     "count_collectives",
     "gather_from_sequence",
+    "record_collective",
     "reduce_from_parallel",
+    "reduce_scatter_along",
     "reduce_scatter_to_sequence",
 ]
 
@@ -207,29 +210,34 @@ def _phase() -> str:
     return "forward" if current_node() is None else "backward"
 
 
-def _record(name: str, phase: str, nbytes: int) -> None:
+def record_collective(name: str, phase: str, nbytes: int) -> None:
+    """Add one collective to what :func:`count_collectives` is counting (if anything is)."""
     _TALLY.write(Collective(name, phase, nbytes))
 
 
 def _all_reduce(tensor: torch.Tensor, phase: str, group: Group = None) -> torch.Tensor:
     # A copy: autograd may hand the same gradient tensor to both branches of a residual.
     out = tensor.contiguous().clone()
-    _record("all_reduce", phase, out.nbytes)
+    record_collective("all_reduce", phase, out.nbytes)
     dist.all_reduce(out, group=group)
     return out
 
 
-def _all_gather(tensor: torch.Tensor, dim: int, phase: str, group: Group = None) -> torch.Tensor:
+def all_gather_along(
+    tensor: torch.Tensor, dim: int, phase: str, group: Group = None
+) -> torch.Tensor:
+    """Every rank's ``tensor`` joined along ``dim``, recorded as an all_gather of ``phase``."""
     front = tensor.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * dist.get_world_size(group), *front.shape[1:]))
-    _record("all_gather", phase, out.nbytes)
+    record_collective("all_gather", phase, out.nbytes)
     _ALL_GATHER(out, front, group=group)
     return out.movedim(0, dim).contiguous()  # one copy, which the next layer may keep
 
 
-def _reduce_scatter(
+def reduce_scatter_along(
     tensor: torch.Tensor, dim: int, phase: str, group: Group = None
 ) -> torch.Tensor:
+    """This rank's slice along ``dim`` of the ranks' summed ``tensor`` (a reduce_scatter)."""
     world = dist.get_world_size(group)
     if tensor.shape[dim] % world:
         raise ValueError(
@@ -238,7 +246,7 @@ def _reduce_scatter(
         )
     front = tensor.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
-    _record("reduce_scatter", phase, front.nbytes)
+    record_collective("reduce_scatter", phase, front.nbytes)
     _REDUCE_SCATTER(out, front, group=group)
     return out.movedim(0, dim).contiguous()  # one copy, which the next layer may keep
 
@@ -274,11 +282,11 @@ class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return _all_gather(x, dim, "forward", group)
+        return all_gather_along(x, dim, "forward", group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _reduce_scatter(grad, ctx.dim, "backward", ctx.group), None, None
+        return reduce_scatter_along(grad, ctx.dim, "backward", ctx.group), None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -287,11 +295,11 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return _reduce_scatter(x, dim, "forward", group)
+        return reduce_scatter_along(x, dim, "forward", group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _all_gather(grad, ctx.dim, "backward", ctx.group), None, None
+        return all_gather_along(grad, ctx.dim, "backward", ctx.group), None, None
 
 
 def copy_to_parallel(x: torch.Tensor, group: Group = None) -> torch.Tensor:

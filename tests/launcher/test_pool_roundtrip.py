@@ -56,7 +56,7 @@ def counted(monkeypatch):
     def sleep(seconds):
         counts["sleeps"] += 1
 
-    monkeypatch.setattr(_supervise, "_POLL_S", 600.0)
+    monkeypatch.setattr(_supervise, "POLL_S", 600.0)
     monkeypatch.setattr(_supervise.Supervisor, "_wait", wait)
     monkeypatch.setattr(_supervise.Supervisor, "_receive", receive)
     monkeypatch.setattr(_relay.RankOutput, "read", read)

@@ -112,11 +112,11 @@ def test_each_rank_count_is_rescaled_by_the_reference_on_the_clock_it_is_timed_o
     assert one.device.gemm_rates == two.device.gemm_rates == {(1, 2, 3): 20.0}
     assert two.intra.bandwidth == 0.5
     timers = {n: step_calibrate.CLOCKS[step_calibrate.step_clock(n)].timer for n in (1, 2)}
-    assert timers == {1: time.process_time, 2: time.perf_counter}  # what _measure_rank reads
+    assert timers == {1: time.process_time, 2: time.perf_counter}  # what measure_rank reads
 
 
 def test_one_rank_times_its_step_and_its_rate_in_cpu_seconds(monkeypatch):
-    # _measure_rank itself, in this process, with the step and the rate stubbed: a one-rank
+    # measure_rank itself, in this process, with the step and the rate stubbed: a one-rank
     # real configuration's step that sleeps 50 ms reads about 0 (CPU seconds; a wall-clock
     # timer reads 0.05 or more), and its rate is timed with process_time, kept as "rate_cpu".
     from mgtutor import worker
@@ -128,7 +128,7 @@ def test_one_rank_times_its_step_and_its_rate_in_cpu_seconds(monkeypatch):
     monkeypatch.setattr(step_windows, "reference_rate",
                         lambda model, window, clock: clocks.append(clock) or 1.0)
     one = step_check.CONFIGS["one process"]
-    out = step_windows._measure_rank(one, steps=2, window=0.01, calls=1)
+    out = step_windows.measure_rank(one, steps=2, window=0.01, calls=1)
     assert clocks == [time.process_time] * 2 and out["rate_cpu"] == [1.0, 1.0]
     assert max(out["seconds"]) < 0.025, out["seconds"]
 
@@ -244,7 +244,7 @@ def test_other_work_counts_a_process_outside_this_tree():
 
 
 def test_a_window_that_other_work_shares_reads_crowded():
-    # The ranks' own accounting (step_check._measure_rank, window_crowding): with another
+    # The ranks' own accounting (step_check.measure_rank, window_crowding): with another
     # process spinning on a core through a TP configuration's windows, their median
     # reads at least a third of a core (it gets half the 2 cores' time beside 2 busy ranks on
     # a 2-core machine; more where there are more). Crowding forced to 0 fails this.
@@ -259,7 +259,7 @@ def test_a_window_that_other_work_shares_reads_crowded():
         try:
             time.sleep(0.5)  # its python has started
             tp = step_check.CONFIGS["TP, 2 ranks"]
-            run = pool.run(step_check._measure_rank, tp, 4, 0.05, 2, quiet=True)
+            run = pool.run(step_check.measure_rank, tp, 4, 0.05, 2, quiet=True)
         finally:
             outside.kill()
             outside.wait()
