@@ -45,32 +45,44 @@ def _modules() -> dict[str, Path]:
     return modules
 
 
+def _package_of(name: str, path: Path) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _import_targets(name: str, path: Path) -> list[tuple[ast.stmt, str]]:
+    """Each import statement of module ``name`` and the dotted name it imports, made absolute.
+
+    ``from . import x`` in ``mgtutor.launcher.pool`` imports ``mgtutor.launcher.x``; ``from
+    .a import b``, ``mgtutor.launcher.a.b`` (a module or a name in one: the callers tell).
+    """
+    package = _package_of(name, path)
+    found: list[tuple[ast.stmt, str]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found += [(node, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
 def _imported(name: str, path: Path, modules: dict[str, Path], *, top: bool = False) -> set[str]:
     """The mgtutor modules that ``name`` imports (a package's ``__init__`` for its names).
 
     With ``top``, an ``import mgtutor`` in a submodule counts too, as an import of the package's
     face (Python has loaded it first anyway, but the module reaches up for its names).
     """
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            targets = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                base = ".".join([*anchor, base] if base else anchor)
-            targets = [f"{base}.{alias.name}" for alias in node.names]
-        else:
-            continue
-        for target in targets:
-            while target not in modules and "." in target:
-                target = target.rpartition(".")[0]
-            # A module importing its own package's __init__ is how Python loads it anyway.
-            inside = target in modules and target != name and not name.startswith(target + ".")
-            if inside or (top and target == "mgtutor" and name != "mgtutor"):
-                found.add(target)
+    for _, target in _import_targets(name, path):
+        while target not in modules and "." in target:
+            target = target.rpartition(".")[0]
+        # A module importing its own package's __init__ is how Python loads it anyway.
+        inside = target in modules and target != name and not name.startswith(target + ".")
+        if inside or (top and target == "mgtutor" and name != "mgtutor"):
+            found.add(target)
     return found
 
 
@@ -252,10 +264,6 @@ def _is_private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__") and not name.endswith("_")
 
 
-def _package_of(name: str, path: Path) -> str:
-    return name if path.name == "__init__.py" else name.rpartition(".")[0]
-
-
 def private_imports(modules: dict[str, Path], root: Path = PACKAGE.parent) -> list[str]:
     """``file:line name`` for each import of another mgtutor module's private name.
 
@@ -266,33 +274,22 @@ def private_imports(modules: dict[str, Path], root: Path = PACKAGE.parent) -> li
     found = []
     for name, path in modules.items():
         package = _package_of(name, path)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                targets = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join([*anchor, base] if base else anchor)
-                targets = [f"{base}.{alias.name}" for alias in node.names]
-            else:
+        for node, target in _import_targets(name, path):
+            parts = target.split(".")
+            if parts[0] != "mgtutor":
                 continue
-            for target in targets:
-                parts = target.split(".")
-                if parts[0] != "mgtutor":
+            for i, part in enumerate(parts[1:], start=1):
+                if not _is_private(part):
                     continue
-                for i, part in enumerate(parts[1:], start=1):
-                    if not _is_private(part):
-                        continue
-                    owner = ".".join(parts[:i])  # the package or module the part lies in
-                    if ".".join(parts[: i + 1]) in modules:  # a private module
-                        allowed = package == owner or package.startswith(owner + ".")
-                    else:  # a private name of module `owner`
-                        allowed = owner == name
-                    if not allowed:
-                        where = path.relative_to(root)
-                        found.append(f"{where}:{node.lineno} imports {target}")
-                        break
+                owner = ".".join(parts[:i])  # the package or module the part lies in
+                if ".".join(parts[: i + 1]) in modules:  # a private module
+                    allowed = package == owner or package.startswith(owner + ".")
+                else:  # a private name of module `owner`
+                    allowed = owner == name
+                if not allowed:
+                    where = path.relative_to(root)
+                    found.append(f"{where}:{node.lineno} imports {target}")
+                    break
     return found
 
 

@@ -15,8 +15,8 @@ machinery, in the order a call goes through them:
 * :mod:`._handle`: the notebook's view of one rank process.
 * :mod:`._watch`: listening to every rank at once: answers, output, progress, exits.
 * :mod:`._relay`: each rank's output, relayed to the cell line by line.
-* :mod:`._supervise`: deciding when a call has ended, failed or hung, and what to stop.
-* :mod:`._interrupted`: Stop on a running call: where the ranks were, what is stopped.
+* :mod:`._supervise`: deciding when a call has ended, failed, hung or was interrupted, and what
+  to stop.
 * :mod:`._report`: the error a learner reads: what happened, the hints, the ranks' stacks.
 * :mod:`._cleanup`: stopping every process of a launch, whatever happened.
 * :mod:`.lifetime`: the idle timeout that frees idle ranks and the server; ``shutdown()``.

@@ -10,6 +10,16 @@ A pool (``keep=True``) tries to keep its ranks: when a rank raises and the other
 call, the ranks stay; when the others do not finish (they wait in a collective the failed rank
 will never join), or a rank dies or times out, every rank is stopped and the pool starts new
 ones on its next call. A launch (``keep=False``) stops every rank at the first fault.
+
+An interrupted cell (Stop, Kernel > Interrupt, Ctrl+C) is how ranks that hang are most often
+stopped: ``launch`` and ``Pool.run`` have no time limit by default. So an interrupt asks the
+live ranks for their records of collectives and their stacks, as a timeout does (:mod:`._report`,
+:mod:`mgtutor.doctor`), for at most a few seconds, then stops what must stop, and raises
+:class:`~mgtutor.errors.WorkerInterrupted`: it opens with the doctor's finding ("rank 1 never
+reached all_reduce #1, which rank 0 is waiting in"), says what was stopped and where each rank
+was, and shows none of mgtutor's frames. A second interrupt skips the asking and stops at once.
+A pool first interrupts fn on each rank (SIGINT): ranks that stop are kept; ranks blocked in
+native code (a collective) cannot be interrupted and are stopped, as a launch's always are.
 """
 
 from __future__ import annotations
@@ -19,10 +29,10 @@ import signal
 import time
 from typing import Any
 
-from mgtutor.errors import WorkerTimeout
-from mgtutor.launcher import _cleanup, _interrupted, _report
+from mgtutor.errors import WorkerInterrupted, WorkerTimeout
+from mgtutor.launcher import _cleanup, _report
 from mgtutor.launcher._handle import RankHandle
-from mgtutor.launcher._report import Wording, ranks_named
+from mgtutor.launcher._report import PAUSED_HOW, Wording, ranks_named
 from mgtutor.launcher._watch import POLL_S, RankWatch, ended_sentinels
 from mgtutor.launcher.progress_bars import ProgressBoard
 
@@ -31,6 +41,9 @@ _STACK_WAIT_S = 2.0
 # After one rank of a pool raised, the others get this long to end the same call before the
 # pool concludes they wait for it in a collective and stops every rank.
 _PEER_GRACE_S = 3.0
+# A pool's ranks get this long to stop fn (KeyboardInterrupt in each) before they are stopped.
+_INTERRUPT_GRACE_S = 3.0
+_HOW = "(Stop, Kernel > Interrupt or Ctrl+C)"
 
 
 class Supervisor(RankWatch):
@@ -75,7 +88,7 @@ class Supervisor(RankWatch):
                 if deadline is not None and time.monotonic() > deadline:
                     self._raise_timeout(self.handles, None, start_timeout, starting=True)
         except KeyboardInterrupt:
-            raise _interrupted.after_interrupt(self, self.handles, False, "starting") from None
+            raise self._after_interrupt(self.handles, False, "starting") from None
 
     def run_call(
         self,
@@ -96,7 +109,7 @@ class Supervisor(RankWatch):
             WorkerError: a rank failed (see the module docstring for what is stopped).
             WorkerTimeout: a limit passed; every rank was stopped.
             WorkerInterrupted: the cell was interrupted (a KeyboardInterrupt); see
-                :mod:`._interrupted` for what is stopped.
+                the module's docstring for what is stopped.
         """
         self.board = board
         now = time.monotonic()
@@ -122,7 +135,7 @@ class Supervisor(RankWatch):
                 if not all_started and start_deadline is not None and now > start_deadline:
                     self._raise_timeout(targets, timeout, start_timeout, starting=True)
         except KeyboardInterrupt:
-            raise _interrupted.after_interrupt(self, targets, keep) from None
+            raise self._after_interrupt(targets, keep) from None
 
     # --- faults -----------------------------------------------------------------------------
 
@@ -284,6 +297,127 @@ class Supervisor(RankWatch):
             )
         return stacks
 
+    # --- an interrupted cell -------------------------------------------------------------
+
+    def _after_interrupt(
+        self, targets: list[RankHandle], keep: bool, phase: str = "running"
+    ) -> WorkerInterrupted:
+        """Stop what an interrupt must stop; the error that says what the ranks were doing.
+
+        Args:
+            targets: the ranks the interrupted call went to.
+            keep: a pool's call: interrupt fn on each rank and keep the ranks that stop.
+            phase: "running" (a call), "starting" (a pool's ranks joining the group) or "exiting".
+
+        Returns:
+            The error to raise (``from None``: the interrupt's own frames are mgtutor's).
+        """
+        if keep and phase == "running" and not self.stopped:
+            return self._interrupt_pool(targets)
+        running = [h for h in targets if _alive(h) and not h.answered]
+        paused = _paused_note(running)  # before they are stopped
+        diagnosis, stacks = self._gathered(running, records=phase == "running")
+        cleanup = self._stop_anyway()
+        self.drain(0.2)
+        self._finish_board()
+        work = _lower(self.wording.work)
+        if phase == "starting":
+            summary = f"The cell was interrupted {_HOW} while the ranks were starting."
+        elif phase == "exiting":
+            summary = f"The cell was interrupted {_HOW} while the ranks were exiting."
+        elif running:
+            summary = (
+                f"The cell was interrupted {_HOW} before {ranks_named(running)} finished {work}."
+                f"{paused}"
+            )
+        else:
+            summary = f"The cell was interrupted {_HOW} while {work} ran."
+        return WorkerInterrupted(
+            summary,
+            running=[h.rank for h in running],
+            stacks=stacks,
+            cleanup=cleanup,
+            diagnosis=diagnosis,
+        )
+
+    def _interrupt_pool(self, targets: list[RankHandle]) -> WorkerInterrupted:
+        """Interrupt fn on every rank of a pool; stop them all if some cannot be interrupted."""
+        busy = [h for h in targets if not h.answered]
+        for h in busy:
+            try:
+                os.kill(h.process.pid, signal.SIGINT)  # type: ignore[arg-type]
+            except (ProcessLookupError, TypeError):
+                pass
+        pressed_again = False
+        try:
+            self.wait_answered(targets, _INTERRUPT_GRACE_S)
+        except KeyboardInterrupt:
+            pressed_again = True  # stop them below, without asking where they are
+        stuck = [h for h in targets if not h.answered]
+        died = [h for h in self.handles if h.failed_at is not None and h.error is None]
+        # Where each rank that did stop was: its KeyboardInterrupt's traceback.
+        interrupted = [
+            h for h in busy if h.error is not None and h.error.context == "was interrupted"
+        ]
+        where = {
+            h.rank: frames
+            for h in interrupted
+            if h.error is not None and (frames := _frames(h.error.traceback))
+        }
+        work = _lower(self.wording.work)
+        if not (stuck or died):
+            self.wait_relayed(targets)
+            self._finish_board()
+            summary = (
+                f"The cell was interrupted {_HOW}: {work} stopped on every rank; "
+                f"{_lower(self.wording.kept)} are kept, with what they hold."
+            )
+            return WorkerInterrupted(summary, running=[h.rank for h in busy], stacks=where)
+        paused = _paused_note(stuck)  # before they are stopped
+        diagnosis, stacks = (None, {}) if pressed_again else self._gathered(stuck, records=True)
+        cleanup = self._stop_anyway()
+        self.drain(0.2)
+        self._finish_board()
+        summary = (
+            f"The cell was interrupted {_HOW} before {ranks_named(busy)} finished {work}; "
+            f"{ranks_named(stuck + died)} did not stop within {_INTERRUPT_GRACE_S:g} s (native "
+            f"code such as a collective cannot be interrupted).{paused}"
+        )
+        return WorkerInterrupted(
+            summary,
+            running=[h.rank for h in busy],
+            stacks={**where, **stacks},
+            cleanup=cleanup,
+            diagnosis=diagnosis,
+        )
+
+    def _gathered(self, ranks: list[RankHandle], records: bool) -> tuple[Any, dict[int, str]]:
+        """The doctor's diagnosis and the ranks' stacks, as a timeout takes them.
+
+        Bounded: the doctor waits 1 s for the ranks' records, the stacks come within 2 s. A second
+        interrupt ends the asking; what came by then is kept.
+        """
+        diagnosis: Any = None
+        stacks: dict[int, str] = {}
+        try:
+            if records:
+                diagnosis = _report.diagnose(self.handles, self.dump_paths, self.wording)
+            stacks = self.stacks(ranks)
+        except KeyboardInterrupt:
+            pass
+        return diagnosis, stacks
+
+    def _stop_anyway(self) -> str:
+        """Stop every rank; an interrupt meanwhile starts the stopping again rather than end it."""
+        try:
+            return self.stop()
+        except KeyboardInterrupt:
+            return self.stop()
+
+    def _finish_board(self) -> None:
+        if self.board is not None:
+            self.board.finish(-1)
+
     # --- the end ----------------------------------------------------------------------------
 
     def wait_answered(self, targets: list[RankHandle], seconds: float) -> None:
@@ -329,7 +463,7 @@ class Supervisor(RankWatch):
                 self.drain(_DRAIN_GRACE_S)
                 _cleanup.stop_leftovers(self.handles)
             except KeyboardInterrupt:
-                raise _interrupted.after_interrupt(self, started, False, "exiting") from None
+                raise self._after_interrupt(started, False, "exiting") from None
             finally:
                 self._close_pipes()
             return
@@ -352,3 +486,41 @@ class Supervisor(RankWatch):
                 h.process.close()
             except ValueError:
                 pass
+
+
+def _paused_note(ranks: list[RankHandle]) -> str:
+    """A sentence naming the ranks that are stopped (SIGSTOP, Ctrl-Z, gdb), or ""."""
+    paused = [h for h in ranks if h.paused()]
+    if not paused:
+        return ""
+    was = "was" if len(paused) == 1 else "were"
+    return (
+        f" {ranks_named(paused).capitalize()} {was} stopped ({PAUSED_HOW}): a paused rank runs "
+        f"nothing, and its peers wait for "
+        f"it."
+    )
+
+
+def _alive(h: RankHandle) -> bool:
+    return h.process.pid is not None and h.exitcode is None and h.process.is_alive()
+
+
+def _lower(text: str) -> str:
+    """The wording's phrase inside a sentence: "The %%ddp cell" becomes "the %%ddp cell"."""
+    return text[:1].lower() + text[1:]
+
+
+def _frames(traceback_text: str) -> str:
+    """A rank's formatted traceback without its heading and its closing exception line."""
+    lines = traceback_text.rstrip().splitlines()
+    if lines and lines[0].startswith("Traceback"):
+        lines = lines[1:]
+    if lines and not lines[-1].startswith(" "):
+        lines = lines[:-1]
+    # The innermost frames are the rank's SIGINT handler (mgtutor's), not where fn was.
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    while True:
+        last = max((i for i, line in enumerate(lines) if line.startswith("  File ")), default=None)
+        if last is None or not lines[last][len('  File "') :].startswith(package):
+            return "\n".join(lines)
+        lines = lines[:last]

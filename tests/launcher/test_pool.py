@@ -256,6 +256,25 @@ def test_bad_arguments_are_refused_before_anything_starts() -> None:
         mgtutor.Pool(start_method="fork")
 
 
+def test_a_sink_takes_the_ranks_output_and_stop_ranks_keeps_the_pool_open(pool, capsys) -> None:
+    # Pool.output_sink (what %%ddp's tabs set) receives each relayed line instead of the cell;
+    # Pool.stop_ranks (what the idle timeout calls) ends the ranks and leaves the pool usable.
+    seen: list[tuple[int, str, str]] = []
+    pool.output_sink = lambda rank, stream, text: seen.append((rank, stream, text))
+    try:
+        pids = pool.run(lambda: print("to the sink") or os.getpid()).results
+    finally:
+        pool.output_sink = None
+    assert sorted(seen) == [(0, "stdout", "to the sink"), (1, "stdout", "to the sink")], seen
+    assert "to the sink" not in capsys.readouterr().out
+    pool.stop_ranks()
+    assert not pool.closed and not pool.alive
+    assert not [p for p in pids if psutil.pid_exists(p)]
+    assert set(pool.run(os.getpid).results).isdisjoint(pids)  # new ranks started
+    pool.run(lambda: print("to the cell again"))
+    assert "[rank 1] to the cell again" in capsys.readouterr().out
+
+
 def test_a_closed_pool_says_so_message_first() -> None:
     closed = mgtutor.Pool.__new__(mgtutor.Pool)
     closed.closed = True
