@@ -58,7 +58,7 @@ class Build:
         hip: the ROCm (HIP) version torch was compiled with, or None.
         nccl: whether ``torch.distributed`` has NCCL (False on CPU-only wheels and macOS).
         nccl_version: NCCL's version where it has it, e.g. (2, 30, 7).
-        xccl: whether ``torch.distributed`` has Intel's XCCL (torch 2.8 and later).
+        xccl: whether ``torch.distributed`` has Intel's XCCL.
         accelerator: the device type of the accelerator torch can use now ("cuda", "mps",
             "xpu"), None without one (a CUDA build on a machine without a GPU included).
         torchvision: torchvision's version where it imports, else None.
@@ -85,8 +85,8 @@ class Build:
     def bf16_compress_hook_accepted(self) -> bool:
         """Whether DDP accepts torch's ``bf16_compress_hook`` on this build.
 
-        ``DistributedDataParallel._check_comm_hook`` (torch 2.11 to 2.15,
-        ``torch/nn/parallel/distributed.py``) refuses a hook named ``bf16_compress_hook`` with a
+        ``DistributedDataParallel._check_comm_hook`` (``torch/nn/parallel/distributed.py``, read
+        in torch 2.14.1) refuses a hook named ``bf16_compress_hook`` with a
         TypeError unless torch has CUDA (or ROCm) and NCCL 2.10 or later, or XCCL and an XPU.
         It asks nothing of the GPUs themselves: a CUDA build on a machine without one accepts
         it, and the hook then runs over gloo. ``fp16_compress_hook`` has no such check.
@@ -130,7 +130,7 @@ class Build:
 
         The DataLoader pins only with an accelerator, and turns pinning off again, with a
         warning, when that accelerator is MPS (``_BaseDataLoaderIter.__init__`` in
-        ``torch/utils/data/dataloader.py``, torch 2.11 to 2.15). Without an accelerator it warns
+        ``torch/utils/data/dataloader.py``, read in torch 2.14.1). Without an accelerator it warns
         too; with CUDA or XPU it pins silently.
         """
         return self.accelerator is not None and self.accelerator != "mps"
@@ -352,7 +352,7 @@ def this_build() -> Build:
     has_dist = dist.is_available()
     nccl = has_dist and dist.is_nccl_available()
     nccl_version = tuple(torch.cuda.nccl.version()) if nccl else None
-    xccl = has_dist and getattr(dist, "is_xccl_available", lambda: False)()
+    xccl = has_dist and getattr(dist, "is_xccl_available", lambda: False)()  # torch 2.8 on
     vision, vision_error = _torchvision()
     return Build(
         os=platform.system(),
