@@ -115,11 +115,6 @@ def step_time(
     Raises:
         ValueError: for LocalSGD or DiLoCo (``plan.method``): their sync, after every H-th
             step (overlapped with the next inner steps under Streaming DiLoCo), is not modelled.
-
-    Example:
-        >>> from mgtutor.plan.machine import H100_SXM_NODE
-        >>> model = Transformer(32, 4096, 32, 4096)
-        >>> step_time(plan(model, 8, 80 * 10**9, zero=1), model, H100_SXM_NODE).total
     """
     if plan.method != "ddp":
         raise ValueError(
