@@ -16,10 +16,7 @@ __all__ = ["compare", "spread"]
 
 
 def spread(values: Sequence[float]) -> tuple[float, float, float]:
-    """``(median, min, max)`` of the repeats of one configuration; ValueError if there are none.
-
-        >>> spread([3.0, 1.0, 2.0])
-    """
+    """``(median, min, max)`` of the repeats of one configuration; ValueError if there are none."""
     if len(values) == 0:
         raise ValueError("spread needs at least one measurement; repeat the configuration")
     return statistics.median(values), min(values), max(values)
