@@ -58,7 +58,7 @@ class Build:
         hip: the ROCm (HIP) version torch was compiled with, or None.
         nccl: whether ``torch.distributed`` has NCCL (False on CPU-only wheels and macOS).
         nccl_version: NCCL's version where it has it, e.g. (2, 30, 7).
-        xccl: whether ``torch.distributed`` has Intel's XCCL (torch 2.8 and later).
+        xccl: whether ``torch.distributed`` has Intel's XCCL.
         accelerator: the device type of the accelerator torch can use now ("cuda", "mps",
             "xpu"), None without one (a CUDA build on a machine without a GPU included).
         torchvision: torchvision's version where it imports, else None.
@@ -85,8 +85,8 @@ class Build:
     def bf16_compress_hook_accepted(self) -> bool:
         """Whether DDP accepts torch's ``bf16_compress_hook`` on this build.
 
-        ``DistributedDataParallel._check_comm_hook`` (torch 2.11 to 2.15,
-        ``torch/nn/parallel/distributed.py``) refuses a hook named ``bf16_compress_hook`` with a
+        ``DistributedDataParallel._check_comm_hook`` (``torch/nn/parallel/distributed.py``, read
+        in torch 2.14.1) refuses a hook named ``bf16_compress_hook`` with a
         TypeError unless torch has CUDA (or ROCm) and NCCL 2.10 or later, or XCCL and an XPU.
         It asks nothing of the GPUs themselves: a CUDA build on a machine without one accepts
         it, and the hook then runs over gloo. ``fp16_compress_hook`` has no such check.
@@ -130,7 +130,7 @@ class Build:
 
         The DataLoader pins only with an accelerator, and turns pinning off again, with a
         warning, when that accelerator is MPS (``_BaseDataLoaderIter.__init__`` in
-        ``torch/utils/data/dataloader.py``, torch 2.11 to 2.15). Without an accelerator it warns
+        ``torch/utils/data/dataloader.py``, read in torch 2.14.1). Without an accelerator it warns
         too; with CUDA or XPU it pins silently.
         """
         return self.accelerator is not None and self.accelerator != "mps"
@@ -182,16 +182,10 @@ def rank_start_method() -> str:
     """How mgtutor starts ranks by default: "forkserver" on Linux, "spawn" on macOS.
 
     mgtutor's forkserver imports torch once and forks every rank from it. On macOS a fork child
-    of a process that had a second thread when it forked aborts the first time it initialises
-    an Objective-C class with a ``+initialize`` of its own (objc4: ``_objc_atfork_prepare`` in
-    ``runtime/objc-os.mm`` records ``pthread_is_threaded_np()``, true once any thread was ever
-    started; ``performForkChildInitialize`` in ``runtime/objc-initialize.mm`` then halts). And
-    importing torch starts threads: it loads numpy (where installed), whose OpenBLAS starts a
-    pool of one thread per core beyond the first when the library loads (``gotoblas_init``
-    calls ``blas_thread_init``, OpenMathLib/OpenBLAS ``driver/others/memory.c``); numpy's wheels
-    for macOS before 14 bundle OpenBLAS, later ones use Accelerate. Notebook 00 counts those
-    threads on Linux. A spawned rank is a fresh interpreter that forks from nothing. Read
-    without importing torch.
+    of a process that ever had a second thread aborts when it first initialises an Objective-C
+    class (objc4's ``performForkChildInitialize``, ``runtime/objc-initialize.mm``), and
+    importing torch starts threads (numpy's OpenBLAS pool; notebook 00 counts them), so there
+    every rank is spawned. Read without importing torch.
     """
     return _rank_start_method(platform.system(), tuple(multiprocessing.get_all_start_methods()))
 
@@ -201,18 +195,11 @@ def loader_start_method() -> str:
 
     * "fork" on Linux with Python 3.10.15, 3.11.10, 3.12 or later: a forked worker starts at
       once, with the dataset already in its memory.
-    * "forkserver" on Linux with Python 3.10.0-3.10.14 and 3.11.0-3.11.9. A forked child there
-      can hang for good before it runs a line: ``PyOS_AfterFork_Child``
-      (``Modules/posixmodule.c``) deletes the other threads' states, which takes the runtime's
-      thread-list lock, before it resets that lock, so a lock another thread held at the fork
-      is never released (CPython gh-112275). A rank has other threads, and its forked workers
-      hung about 1 run in 5 here (3.10.13). 3.12 resets the lock first; the fix reached 3.11.10
-      and 3.10.15 (3.11 by python/cpython#112336; ``Misc/NEWS.d/3.11.10.rst`` and
-      ``3.10.15.rst``, released 2024-09-07), while 3.10.13, 3.11.7 and Debian 12's 3.11.2
-      (disassembled here) still take it first. A forkserver is a process without other threads
-      that forks each worker (:func:`loader_context`). The fix is for that one lock: forking a
-      process with threads stays unsafe in general, and from 3.12 ``os.fork`` warns so
-      (a ``DeprecationWarning`` when it sees other threads).
+    * "forkserver" on Linux with Python 3.10.0-3.10.14 and 3.11.0-3.11.9, where a forked child
+      can hang for good on the thread-list lock another thread held at the fork (CPython
+      gh-112275, :data:`FORK_SAFE_PYTHON`); a rank has other threads, and its forked workers
+      hung about 1 run in 5 here (3.10.13). A forkserver has no other threads
+      (:func:`loader_context`).
     * "spawn" on macOS, whose system libraries are unsafe in a forked child of a process with
       threads (Python made spawn macOS's default in 3.8, bpo-33725), and on Windows.
     """
@@ -232,10 +219,6 @@ def loader_context(*preload: str) -> multiprocessing.context.BaseContext:
 
     Args:
         preload: modules the workers need, such as the one defining the dataset's class.
-
-    Example:
-        >>> loader = DataLoader(data, num_workers=2, multiprocessing_context=loader_context())
-        ... # doctest: +SKIP
     """
     method = loader_start_method()
     context = multiprocessing.get_context(method)
@@ -253,12 +236,11 @@ def _stop_at_exit() -> None:
 def stop_loader_server() -> None:
     """In a rank: stop the forkserver that its loaders started (:func:`loader_context`).
 
-    It would end by itself once the rank has exited, but a moment after, and mgtutor's launcher
-    reports the processes a rank leaves behind; so :func:`loader_context` has a rank call this
-    as it exits. SIGTERM ends the server at once (it has no handler for it), not after the
-    seconds Python takes to shut down with torch loaded; ``_stop`` then reaps it, as
-    multiprocessing's own tests stop a forkserver (Python 3.8 to 3.13). Nothing happens in the
-    notebook's process, whose forkserver is mgtutor's rank server, nor where none was started.
+    It would end by itself a moment after the rank, but mgtutor's launcher reports the processes
+    a rank leaves behind, so :func:`loader_context` has a rank call this as it exits. SIGTERM
+    ends the server at once (it has no handler); ``_stop`` then reaps it, as multiprocessing's
+    own tests stop a forkserver. Nothing happens in the notebook's process, whose forkserver is
+    mgtutor's rank server, nor where none was started.
     """
     from multiprocessing import forkserver
 
@@ -279,10 +261,6 @@ def torch_release(version: str | None = None) -> tuple[int, int]:
     A nightly or source build of 2.13 calls itself "2.13.0a0+git..." and has 2.13's code, but
     ``torch.__version__ >= (2, 13)`` is False for it (a pre-release sorts before the release), so
     such a gate would send it down the older path.
-
-    Example:
-        >>> torch_release("2.13.0a0+git1234")
-        (2, 13)
     """
     if version is None:
         import torch
@@ -301,10 +279,6 @@ def torchvision_for(torch_version: str) -> str:
     ``+cpu`` means the wheel came from PyTorch's own index, whose folder of that name has the
     matching torchvision; PyPI's is built for PyPI's torch and does not import beside a ``+cpu``
     wheel.
-
-    Example:
-        >>> torchvision_for("2.13.0+cpu")
-        'pip install torchvision==0.28.0 --index-url https://download.pytorch.org/whl/cpu'
     """
     found = re.match(r"2\.(\d+)\.(\d+)", torch_version)
     if found is None:
@@ -352,7 +326,7 @@ def this_build() -> Build:
     has_dist = dist.is_available()
     nccl = has_dist and dist.is_nccl_available()
     nccl_version = tuple(torch.cuda.nccl.version()) if nccl else None
-    xccl = has_dist and getattr(dist, "is_xccl_available", lambda: False)()
+    xccl = has_dist and getattr(dist, "is_xccl_available", lambda: False)()  # torch 2.8 on
     vision, vision_error = _torchvision()
     return Build(
         os=platform.system(),

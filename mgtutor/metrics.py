@@ -2,10 +2,7 @@
 
 Every rank sees only its shard, so a loss or an accuracy printed by one rank describes a part of
 the data. :func:`reduce_mean` gives every rank the mean over all ranks' samples; it is the one
-averaging helper the notebooks use::
-
-    loss_sum, seen = ..., ...                      # this rank's sum of losses and its sample count
-    mean_loss = mgtutor.reduce_mean(loss_sum, seen)  # sum over ranks / count over ranks
+averaging helper the notebooks use.
 
 Both functions are collectives: every rank of the process group must call them, in the same
 order, or the ranks that did wait until the group's timeout.
@@ -45,11 +42,6 @@ def reduce_sums(
     Raises:
         ValueError: if no value is given or a tensor has more than one element.
         RuntimeError: if no process group is initialized (call ``mgtutor.setup()`` first).
-
-    Example:
-        >>> correct, seen = reduce_sums(12, 32)   # on 2 ranks that each counted 12 of 32
-        >>> correct, seen
-        (24.0, 64.0)
     """
     if not values:
         raise ValueError("reduce_sums needs at least one value to add over the ranks")
@@ -96,10 +88,6 @@ def reduce_mean(
 
     Raises:
         ValueError: if the counts add up to zero.
-
-    Example:
-        >>> reduce_mean(loss_sum, seen)   # rank 0: 30.0 over 10, rank 1: 10.0 over 30
-        1.0
     """
     summed_total, summed_count = reduce_sums(total, count, device=device)
     if summed_count == 0:

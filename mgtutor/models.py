@@ -1,10 +1,7 @@
 """The workbook's models: the small CNN that every notebook, script, test and benchmark trains.
 
-One definition, so a notebook's figures and a test's assertions are about the same network::
-
-    model = mgtutor.models.small_cnn()             # 3x16x16 images, 10 classes
-    model = mgtutor.models.small_cnn(batchnorm=True)  # with BatchNorm2d after each conv
-    model = mgtutor.models.mlp(width=512, depth=6)  # square linear layers, for timing studies
+One definition, so a notebook's figures and a test's assertions are about the same network;
+:func:`mlp` is the square linear stack the timing studies scale.
 """
 
 from __future__ import annotations
@@ -24,19 +21,8 @@ def small_cnn(
     workbook's data are 16x16. Without BatchNorm it has 5,418 parameters for 3 channels and 10
     classes (21,672 bytes of float32 gradients).
 
-    Args:
-        num_classes: outputs of the last layer.
-        channels: input image channels.
-        batchnorm: put a ``BatchNorm2d`` after each convolution (notebooks on BatchNorm use it).
-
-    Returns:
-        A fresh ``nn.Sequential`` initialized from torch's global random state (seed it first for
-        the same weights everywhere).
-
-    Example:
-        >>> torch.manual_seed(0); model = small_cnn()
-        >>> sum(p.numel() for p in model.parameters())
-        5418
+    ``batchnorm`` puts a ``BatchNorm2d`` after each convolution. The weights come from torch's
+    global random state: seed it first for the same weights everywhere.
     """
     if num_classes < 1 or channels < 1:
         raise ValueError(
@@ -67,19 +53,7 @@ def mlp(width: int = 512, depth: int = 6) -> nn.Sequential:
     The performance notebooks time it: its work per sample and its gradient size
     (``depth * (width**2 + width)`` float32 values) are easy to reason about and to scale.
 
-    Args:
-        width: input, hidden and output features.
-        depth: number of linear layers.
-
-    Returns:
-        A fresh ``nn.Sequential`` (Linear, ReLU, ..., Linear).
-
-    Raises:
-        ValueError: if ``width`` or ``depth`` is below 1.
-
-    Example:
-        >>> sum(p.numel() for p in mlp(width=4, depth=2).parameters())
-        40
+    ValueError if ``width`` or ``depth`` is below 1.
     """
     if width < 1 or depth < 1:
         raise ValueError(f"width and depth must be at least 1, got width={width}, depth={depth}")

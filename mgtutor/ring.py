@@ -29,22 +29,8 @@ def bytes_sent_on_ring(name: str, size: int, nbytes: int, *, calls: int = 1, eve
     :data:`RING_PASSES` says how many passes. The result is rounded down once, after
     multiplying by ``calls`` and dividing by ``every``.
 
-    Args:
-        name: the collective, a key of :data:`RING_PASSES` (``"all_reduce"``).
-        size: the group's number of ranks, N.
-        nbytes: the whole buffer's bytes.
-        calls: how many such calls.
-        every: the steps the calls are spread over (LocalSGD's and DiLoCo's ``sync_every``).
-
-    Returns:
-        ``calls * passes * (N - 1) * nbytes // (N * every)``.
-
-    Raises:
-        ValueError: ``name`` is not a ring collective of :data:`RING_PASSES`.
-
-    Example:
-        >>> bytes_sent_on_ring("all_reduce", 4, 1000)
-        1500
+    ``every`` is the steps the calls are spread over (LocalSGD's and DiLoCo's ``sync_every``).
+    ValueError if ``name`` is not a key of :data:`RING_PASSES`.
     """
     if name not in RING_PASSES:
         raise ValueError(f"{name!r} is not a ring collective: one of {sorted(RING_PASSES)}")

@@ -11,15 +11,7 @@ __all__ = ["format_bytes"]
 def format_bytes(n: int | None) -> str:
     """Write a byte count for people: ``1536 -> '1.5 KiB'``.
 
-    Args:
-        n: a number of bytes, or None where nothing was measured.
-
-    Returns:
-        The count in the largest unit up to GiB that keeps it at least 1, "-" for None.
-
-    Example:
-        >>> format_bytes(1536)
-        '1.5 KiB'
+    The largest unit up to GiB that keeps it at least 1; "-" for None (nothing measured).
     """
     if n is None:
         return "-"

@@ -323,16 +323,12 @@ def teardown() -> None:
         dist.destroy_process_group()
 
 
-# Process groups that destroy_process_group removed, kept referenced until the process exits.
-# Before torch 2.8, the last reference to a process group is dropped with the GIL held, and
-# ProcessGroupGloo's destructor then joins its worker threads; a worker still finishing a
-# collective whose future has a Python callback (a communication hook's ``fut.then(...)``, as
-# mgtutor's watch_allreduce and ZeroRedundancyOptimizer use) needs the GIL to free it, so both
-# threads wait forever. Found on torch 2.4.1: a rank stuck in teardown, its main thread in
-# ~ProcessGroupGloo -> std::thread::join, a gloo worker in take_gil. Fixed in torch by
-# pytorch/pytorch#154976 ("Release GIL in PG destructor", merged June 2025, in 2.8). A rank
-# ends with os._exit, which runs no destructor, so keeping the objects costs nothing there.
+# Process groups that destroy_process_group removed, kept referenced until the process exits
+# (a rank ends with os._exit, which runs no destructor, so this costs nothing).
 _destroyed_groups: set[Any] = set()
+# Before torch 2.8 ~ProcessGroupGloo joins its workers with the GIL held, and a worker finishing
+# a collective with a Python callback (a comm hook's fut.then) waits for the GIL: a deadlock
+# (seen on 2.4.1). Fixed by pytorch/pytorch#154976 ("Release GIL in PG destructor"), in 2.8.
 _FIXED_IN = (2, 8)
 
 

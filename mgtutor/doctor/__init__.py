@@ -2,8 +2,8 @@
 
 A hang in data-parallel training is almost always a *desync*: the ranks did not call the same
 collectives in the same order with the same tensors. torch keeps a record of each rank's
-collectives, the Flight Recorder (in torch 2.14 on gloo as well as NCCL, on by default with
-2000 entries; ``TORCH_FR_BUFFER_SIZE=0`` turns it off). Read side by side, the records name the
+collectives, the Flight Recorder, on gloo as well as NCCL (see
+:func:`~mgtutor.doctor.record.recorder_env`). Read side by side, the records name the
 rank that diverged and the collective its peers wait in.
 
 The modules, each with one job:

@@ -9,22 +9,14 @@ from typing import Any
 def run_torch_analyzer(records: dict[int, dict[str, Any]]) -> list[str]:
     """Run torch's own matcher (``torch.distributed.flight_recorder``) on the records.
 
-    Its builder looks up each entry's group by ``(entry["process_group"][0], rank)`` in a table
-    made from the dump's ``pg_config``. A gloo dump of torch 2.14 files its group in
-    ``pg_config`` under an empty name and description while its entries name it ("0",
-    "default_pg"), hence the ``KeyError: ('0', 0)`` it raises on gloo dumps as they are. The
-    ``pg_config`` is rebuilt here from the entries' names and the members each rank's record
-    lists. The matching for the message is
-    written out in :func:`diagnose` anyway: the analyzer reports through logging and stops
-    pairing a group after its first mismatch, does not read ``pg_status`` (so it cannot tell
-    a rank that is behind from one whose oldest entries left the ring buffer), and knows
-    nothing of ranks that returned from fn. Its verdicts are kept next to the diagnosis.
-
-    torch 2.11's analyzer (``components/types.py``, ``Op``) accepts only ``nccl:`` and ``xccl:``
-    names and stops on gloo's (2.14 added ``gloo``). The prefix only names the library: the
-    matching reads the operation after it (torch 2.15's ``types.py`` says so and accepts any
-    prefix). When the analyzer rejects the records as they are, they are given to it again with
-    ``gloo:`` read as ``nccl:``.
+    A gloo dump files its group in ``pg_config`` under an empty name while its entries name it
+    ("0"), so the builder raises ``KeyError: ('0', 0)`` on it as it is (torch's
+    ``flight_recorder/components/builder.py``, read in 2.14.1): ``pg_config`` is rebuilt here
+    from the entries' names and the members each rank's record lists. Records it rejects are
+    given to it again with ``gloo:`` read as ``nccl:``. The verdicts are a second opinion
+    beside :func:`diagnose`'s: the analyzer stops pairing a group after its first mismatch,
+    does not read ``pg_status`` (a rank behind looks like one whose oldest entries left the
+    ring buffer), and knows nothing of ranks that returned from fn.
     """
     from argparse import Namespace
 
@@ -62,7 +54,7 @@ def run_torch_analyzer(records: dict[int, dict[str, Any]]) -> list[str]:
     try:
         try:
             db = build_db(details, args, version)
-        except AssertionError:
+        except AssertionError:  # torch 2.11-2.13 accept only nccl:/xccl: (components/types.py)
             renamed = _gloo_as_nccl(details)
             if renamed is None:
                 raise

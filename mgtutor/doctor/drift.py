@@ -15,17 +15,11 @@ def replica_checksums(module: Any, group: Any = None) -> dict[str, list[float]]:
     (a BatchNorm statistic with ``broadcast_buffers=False``, an in-place edit under
     ``if rank == 0``) makes them drift without any error.
 
-    Args:
-        module: the model (a DDP wrapper or the bare module).
-        group: the process group (default: the whole world).
+    ``module`` may be a DDP wrapper or the bare module; ``group`` defaults to the world.
 
     Returns:
         name -> one checksum per rank (a position-weighted sum in float64), the same on every
         rank.
-
-    Example:
-        >>> replica_checksums(model)["0.weight"]
-        [-1.7349, -1.7349]
     """
     import torch
     import torch.distributed as dist
@@ -60,10 +54,6 @@ def find_drift(module: Any, group: Any = None, rtol: float = 1e-9) -> list[str]:
 
     Returns:
         The names whose checksum differs between ranks; empty when the replicas agree.
-
-    Example:
-        >>> find_drift(model)
-        ['1.running_mean']
     """
     drifted = []
     for name, sums in replica_checksums(module, group).items():

@@ -35,7 +35,7 @@ def recorder_env(buffer_size: int = 2000) -> dict[str, str]:
 
     torch reads ``TORCH_FR_BUFFER_SIZE`` (older name: ``TORCH_NCCL_TRACE_BUFFER_SIZE``) once per
     process, when its first process group creates the recorder: set it before
-    ``init_process_group``. In torch 2.14 an unset variable means 2000 entries, so the recorder
+    ``init_process_group``. Unset, it means 2000 entries (read in torch 2.14.1), so the recorder
     is on by default; 0 turns it off.
 
     Args:
@@ -61,10 +61,6 @@ def recorder_available() -> tuple[bool, str]:
 
     Returns:
         ``(True, "")``, or ``(False, why)`` in words that say what to rely on instead.
-
-    Example:
-        >>> recorder_available()   # torch 2.14
-        (True, '')
     """
     import torch
 
@@ -177,10 +173,9 @@ def own_dump(
 
     Args:
         stack_traces: ask torch for the Python frames that issued each collective. Asked for
-            them while a collective was pending, torch 2.14.1's dump once did not return
-            within 3 s (another time it took 0.6 ms), so the responder thread passes False and
-            sends the main thread's stack instead: in a hang, that is where the pending
-            collective was issued.
+            them while a collective was pending, torch 2.14.1's dump once took over 3 s (another
+            time 0.6 ms), so the responder thread passes False and sends the main thread's
+            stack instead: in a hang, that is where the pending collective was issued.
         main_ident: the thread whose stack to add (default: the main thread).
         tb: take the stack from this traceback instead. Called in the main thread while an
             exception is handled (a rank that failed, as mgtutor's rank loop does), the stack

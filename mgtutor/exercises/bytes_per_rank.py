@@ -42,7 +42,7 @@ def check_bytes_per_rank(
     assumes for a count) and ``"fsdp"`` (``fully_shard``: ``torch.chunk`` shards padded to the
     first one's size). DDP's buckets, Adam's step counters and activations are left out.
 
-    The checker compares with :func:`mgtutor.plan.memplan.estimate` (torch 2.14's rules) on six
+    The checker compares with :func:`mgtutor.plan.memplan.estimate` on six
     cases, one of them with more ranks than some shards have elements.
 
     Args:

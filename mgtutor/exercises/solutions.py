@@ -183,7 +183,7 @@ def find_drifted(model: torch.nn.Module, atol: float = 1e-6) -> list[int]:
 
 
 def bytes_per_rank(n_params: int, world_size: int, strategy: str) -> list[int]:
-    """Bytes of parameters, gradients and Adam state on each rank, all float32 (torch 2.14)."""
+    """Bytes of parameters, gradients and Adam state on each rank, all float32."""
     if strategy == "ddp":  # everything on every rank: 4 + 4 + 8 bytes per parameter
         return [16 * n_params] * world_size
     if strategy == "zero1":  # Adam's state split by element, the first ranks one more

@@ -1,24 +1,15 @@
 """Start DDP workers from a notebook cell and bring back what they printed and returned.
 
-``launch(fn, world_size=2)`` does what torchrun does for a script, from inside a notebook:
+``launch(fn, world_size=2)`` does what torchrun does for a script: fn is pickled by value
+(cloudpickle), so a function defined in a cell, a closure or a lambda reaches the ranks, which
+plain ``torch.multiprocessing.spawn`` refuses; the rendezvous store is hosted on a fresh port of
+127.0.0.1, so no crashed run leaves a port taken; ranks start by forkserver or spawn, never fork,
+so a notebook that used CUDA can launch; the first failure, hang or interrupt stops them all.
 
-1. It checks its arguments and pickles ``fn`` *by value* with cloudpickle, so a function defined
-   in a cell, a closure or a lambda reaches the workers (plain ``torch.multiprocessing.spawn``
-   pickles functions by name and fails on cell-defined ones).
-2. It hosts the rendezvous store itself on a fresh port of 127.0.0.1, like torchrun's agent, so
-   no fixed port can be left taken by a crashed run and nothing listens beyond this machine.
-3. It starts ``world_size`` processes (forkserver or spawn, never fork, so a notebook that
-   already used CUDA can launch), each with torchrun's environment contract.
-4. While they run, it relays every line they print into the cell, prefixed with the rank, and
-   shows their progress; it stops all of them as soon as one fails, hangs past ``timeout`` or
-   the cell is interrupted, and leaves no process behind.
-
-A launch is a :class:`mgtutor.Pool` that runs one call and closes
-(``with OneCall(...) as pool: pool.run(fn, ...)``): the same code checks the arguments
-(:mod:`._arguments`), starts the ranks (:mod:`._processes`), sends fn (:mod:`._send`), runs it
-in each rank (:mod:`mgtutor.rank.loop`), relays output (:mod:`._relay`), watches for faults
-(:mod:`._supervise`) and cleans up (:mod:`._cleanup`). :class:`OneCall` changes only when the
-ranks start and that they do not outlive the call.
+A launch is a :class:`mgtutor.Pool` that runs one call and closes: the same code
+(:mod:`._arguments`, :mod:`._processes`, :mod:`._send`, :mod:`mgtutor.rank.loop`,
+:mod:`._relay`, :mod:`._supervise`, :mod:`._cleanup`) does the work; :class:`OneCall` changes
+only when the ranks start and that they do not outlive the call.
 """
 
 from __future__ import annotations
@@ -75,11 +66,9 @@ def launch(
     """Run ``fn(*args, **kwargs)`` in ``world_size`` worker processes, one per rank.
 
     Each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-    MASTER_ADDR=127.0.0.1, MASTER_PORT) and joins the process
-    group with :func:`mgtutor.setup` or with a plain ``dist.init_process_group("gloo")``: the
-    notebook's process hosts the rendezvous store on a fresh port of 127.0.0.1, as torchrun's
-    agent does for its workers (``TORCHELASTIC_USE_AGENT_STORE``). Lines the workers print
-    appear in the cell as ``[rank 1] ...``. The notebook's own ``os.environ`` is left untouched.
+    MASTER_ADDR=127.0.0.1, MASTER_PORT) and joins the process group with :func:`mgtutor.setup`
+    or a plain ``dist.init_process_group("gloo")``. Lines the workers print appear in the cell as
+    ``[rank 1] ...``. The notebook's own ``os.environ`` is left untouched.
 
     Args:
         fn: the work of one rank; may be defined in a notebook cell, a closure or a lambda.
@@ -92,16 +81,12 @@ def launch(
             (the default) means no limit. Past it every rank is stopped and
             :class:`mgtutor.WorkerTimeout` shows where each running rank was stuck.
         start_timeout: seconds the ranks may take to start (Python's start, imports,
-            unpickling fn and its arguments) before fn runs; None means no limit. The default
-            of 5 minutes is generous for a laptop; a cluster node importing torch from a
-            network file system may need more.
-        start_method: how the rank processes start. "forkserver" (the default on Linux): a
-            server process that has imported torch once, and never touched CUDA, forks each
-            rank; after the first launch in a session a rank starts in a fraction of a second.
-            "spawn" (the default, and the only choice, on macOS, where forking after torch
-            can abort: :func:`mgtutor.build.rank_start_method`): every rank is a fresh
-            interpreter that imports torch itself (about a second or more per launch). Both
-            are safe after CUDA was used in the notebook; plain "fork" is not, and is refused.
+            unpickling fn and its arguments) before fn runs; None means no limit. A node
+            importing torch from a network file system may need more than the default.
+        start_method: "forkserver" (the default on Linux: after the first launch a rank starts
+            in a fraction of a second) or "spawn" (the default, and the only choice, on macOS:
+            :func:`mgtutor.build.rank_start_method`). Both are safe after CUDA was used in
+            the notebook; plain "fork" is not, and is refused.
         quiet: show no progress bars (for launches made in a loop); what the ranks print and
             any error still come.
         **kwargs: keyword arguments for fn. (Names world_size, backend, timeout,
@@ -120,15 +105,6 @@ def launch(
             stopped, and the error says where each was and which one the others waited for.
         pickle.PicklingError: fn or an argument cannot be sent to a worker (nothing started).
         ValueError, TypeError: bad arguments (nothing started).
-
-    Example:
-        >>> def work(scale):
-        ...     mgtutor.setup()
-        ...     t = torch.ones(1) * (dist.get_rank() + 1) * scale
-        ...     dist.all_reduce(t)
-        ...     return t.item()
-        >>> mgtutor.launch(work, 10, world_size=2).results
-        [30.0, 30.0]
     """
     started = time.perf_counter()
     with OneCall(

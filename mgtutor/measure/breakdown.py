@@ -111,7 +111,7 @@ def breakdown(
     * optimizer_state: every tensor in ``optimizer.state`` (for a ``ZeroRedundancyOptimizer``,
       in its local ``optimizer.optim.state``; Adam's ``step`` scalars included).
     * communication: DDP's gradient buckets, from ``ddp._get_ddp_logging_data()["bucket_sizes"]``
-      (bytes per bucket; in torch 2.14 Python reaches the reducer's bucket tensors only from a
+      (bytes per bucket; Python reaches the reducer's bucket tensors only from a
       communication hook, and ``reducer._get_zeros_like_grad_buckets()`` gives zeroed copies of
       the same sizes, which the tests check against). With ``gradient_as_bucket_view=True``
       the gradients are views into the buckets, so the bytes of the gradient storages are

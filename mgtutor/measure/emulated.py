@@ -321,7 +321,7 @@ def _since(stamp: torch.Tensor) -> float:
     return ms / 1000
 
 
-#: Written beside each stamp: a row without it carries no time. torch 2.14's pipeline stages
+#: Written beside each stamp: a row without it carries no time. torch's pipeline stages
 #: infer shapes by running a stage on uninitialized tensors (stage.py, ``_to_tensor``: an empty
 #: tensor from the metadata), whose "stamp" is whatever memory held.
 STAMPED = 4321.0

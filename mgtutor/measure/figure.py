@@ -1,11 +1,9 @@
 """The figure every mgtutor plot returns: drawn exactly once in a notebook, however it is shown.
 
-A figure made through pyplot is shown by Jupyter's inline backend when the cell ends (or at
-``plt.show()``); a figure left as a cell's last value is shown by IPython's display hook. A plain
-pyplot figure left as the last value is therefore drawn twice, and one closed so that it is not
-(what mgtutor's plots once did) is never drawn by ``plt.show()`` or when assigned to a variable.
-This figure stays in pyplot's list of open figures and leaves it the moment IPython displays it,
-so each of these draws it once:
+A plain pyplot figure left as a cell's last value is drawn twice (by IPython's display hook and
+by the inline backend when the cell ends); one closed early is never drawn by ``plt.show()`` or
+when assigned. This figure stays open in pyplot until IPython displays it, so each of these
+draws it once:
 
     mgtutor.plot_memory(run)                    # the cell's last value
     fig = mgtutor.plot_memory(run)              # assigned: the inline backend shows it

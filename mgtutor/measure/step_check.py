@@ -226,13 +226,14 @@ def calibrate_beside(pool: Any, **kwargs: Any) -> tuple[Hardware, dict[str, Any]
 
 
 def runnable() -> tuple[str, ...]:
-    """The names in :data:`CONFIGS` this torch runs: all from torch 2.5; on 2.4 not the
-    pipelines, whose ``PipelineStage`` needs example inputs that :func:`check` does not give."""
+    """The names in :data:`CONFIGS` this torch runs: not the pipelines where ``PipelineStage``
+    needs example inputs, which :func:`check` does not give."""
     import inspect
 
     from torch.distributed.pipelining import PipelineStage
 
     needs = inspect.signature(PipelineStage).parameters.get("input_args")
+    # torch 2.4's PipelineStage requires input_args; 2.5 on infers them (pipelining/stage.py)
     if needs is not None and needs.default is inspect.Parameter.empty:
         return tuple(name for name, c in CONFIGS.items() if c.pp == 1)
     return tuple(CONFIGS)

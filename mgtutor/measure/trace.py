@@ -11,7 +11,7 @@ In a rank, around the steps to look at, then in the notebook::
 
 :func:`record_trace` runs ``torch.profiler`` over the block. The process group itself records
 each collective there, nothing replaced: on gloo an event named after the backend and the
-collective ("gloo:all_reduce" in torch 2.4 to 2.15), from when one of gloo's worker threads began
+collective ("gloo:all_reduce"), from when one of gloo's worker threads began
 it to when it completed, with the tensor's shape. Those are DDP's C++ all-reduces. They are also
 added to the rank's timer as "allreduce" records, from the caller's launch (the reducer's call of
 ``c10d::allreduce_``) to gloo's completion (:func:`mgtutor.plot_timeline` draws them), and the
@@ -48,9 +48,8 @@ __all__ = ["Collective", "RankTrace", "merge_traces", "record_trace", "write_tra
 
 BARRIER = "mgtutor: barrier (the clocks' zero)"
 CLOSING = "mgtutor: closing barrier (every collective's event closed)"
-# torch 2.11's profiler warns at every start that a profiler "clears events at the end of each
-# cycle" (profiler.py, prepare_trace; 2.14 only when one object is started twice): every rank
-# printed it in a cell. record_trace starts each profiler once, so the warning never applies.
+# torch 2.11's profiler warns at every start (profiler.py, prepare_trace), 2.14's only when one
+# object is started twice: record_trace starts each once, so the warning never applies.
 _CYCLE_WARNING = r".*Profiler clears events at the end of each cycle"
 _PHASES_TID = 0  # the track of the timer's step()/phase() spans; no OS thread has id 0
 _ELEMENT_BYTES = {
@@ -78,7 +77,7 @@ class Collective:
         end: when it completed on this rank.
         nbytes: the tensors' bytes, from the shapes the profiler recorded (None if unknown).
         launched: when the caller (DDP's reducer, ``dist.all_reduce``) called the collective's
-            operator, ``c10d::allreduce_`` for an all-reduce (torch 2.4-2.15); None when the
+            operator, ``c10d::allreduce_`` for an all-reduce; None when the
             trace did not hold one such call per collective.
         numel: the elements of its (first) tensor, from the recorded shape.
     """
@@ -251,7 +250,7 @@ def record_trace(step_timer: StepTimer | None = None) -> Iterator[RankTrace]:
         # waited on the result (DDP does) can reach the end of the block first, and the profile
         # then holds that event open (torch 2.4: zero duration, no shapes). Gloo's barrier waits
         # for every collective queued or running when it was called, each to its close
-        # (ProcessGroupGloo.cpp, barrier's "priorWork"; torch 2.4-2.15).
+        # (ProcessGroupGloo.cpp, barrier's "priorWork").
         with record_function(CLOSING):
             barrier()
     offset_after = _unix_minus_perf()

@@ -27,12 +27,7 @@ __all__ = ["average_", "ring_sent_bytes", "slow_allreduce_hook"]
 
 def ring_sent_bytes(nbytes: int, world_size: int) -> int:
     """Bytes one rank sends in a ring all-reduce of ``nbytes``: 2 (N - 1) / N of the buffer
-    (:func:`mgtutor.ring.bytes_sent_on_ring` for an all-reduce).
-
-    Example:
-        >>> ring_sent_bytes(1000, 2)
-        1000
-    """
+    (:func:`mgtutor.ring.bytes_sent_on_ring` for an all-reduce)."""
     return bytes_sent_on_ring("all_reduce", world_size, nbytes)
 
 
@@ -58,9 +53,6 @@ def average_(
 
     Returns:
         The bytes of the buffer that was all-reduced.
-
-    Example:
-        >>> average_([p.data for p in model.parameters()])   # LocalSGD's meeting
     """
     world = dist.get_world_size(group)
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
@@ -78,14 +70,8 @@ def average_(
 def slow_allreduce_hook(seconds_per_byte: float) -> Callable:
     """A DDP communication hook: torch's averaging all-reduce after the simulated link's delay.
 
-    Args:
-        seconds_per_byte: seconds slept per byte this rank sends (ring count) for each bucket.
-
-    Returns:
-        A hook for ``ddp.register_comm_hook(None, hook)``; the group is the default one.
-
-    Example:
-        >>> ddp.register_comm_hook(None, slow_allreduce_hook(1e-6))
+    For ``ddp.register_comm_hook(None, hook)`` (the default group); each bucket first sleeps
+    ``seconds_per_byte`` per byte this rank sends on a ring.
     """
 
     # Unannotated: DDP compares the annotations with its own types, and this module's are

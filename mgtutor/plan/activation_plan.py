@@ -99,11 +99,6 @@ def activation_terms(
         Term name to bytes; :data:`PAPER_TERMS` holds the paper's figure for each, plus
         "layer norm statistics" when ``norm_stat_bytes`` is given, or only "layer input" under
         full recomputation.
-
-    Example:
-        >>> shape = Transformer(layers=1, hidden=64, heads=4, seq_len=32, micro_batch=2)
-        >>> activation_terms(shape)["gelu input"]  # 8sbh
-        32768
     """
     if recompute not in _RECOMPUTE:
         raise ValueError(f"recompute must be one of {_RECOMPUTE}, got {recompute!r}")

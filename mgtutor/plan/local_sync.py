@@ -79,10 +79,6 @@ def sync_memory(method: str, held: int) -> dict[str, int]:
     delay they live after backward has freed the activations; Streaming DiLoCo with a
     ``fragment_sync_delay`` keeps one fragment's pseudo-gradients through the next steps, a
     fragment's share of what is counted here.
-
-    Example:
-        >>> sync_memory("diloco", 10)
-        {'communication': 80, 'optimizer_state': 40}
     """
     synced = held * SYNCED_BYTES
     if method == "localsgd":

@@ -3,8 +3,8 @@
 :func:`estimate` computes, per rank and before anything runs, the bytes that
 :func:`~mgtutor.measure.breakdown.breakdown` measures inside the ranks (parameters, gradients,
 optimizer state, DDP's buckets) for DDP, ZeRO-1 (DDP plus ``ZeroRedundancyOptimizer``), FSDP
-(``fully_shard``) and tensor parallelism, following what torch 2.14 does (see its docstring for
-each rule and what it leaves out). :func:`zero_partition` is ZeRO-1's split of the parameters.
+(``fully_shard``) and tensor parallelism, following torch's rules (see its docstring for each
+rule and what it leaves out). :func:`zero_partition` is ZeRO-1's split of the parameters.
 
 :class:`MemoryBreakdown` is the record both sides fill: an estimate here, a measurement in
 :mod:`mgtutor.measure.breakdown`, so that notebook 12 sets ``memplan.estimate(...)`` beside
@@ -108,8 +108,8 @@ class MemoryBreakdown:
 
 
 #: State tensors each optimizer keeps per parameter element (each the parameter's dtype), and
-#: whether it also keeps a float32 ``step`` scalar per parameter tensor, in torch 2.14 with the
-#: default (not fused, not capturable) implementation on CPU.
+#: whether it also keeps a float32 ``step`` scalar per parameter tensor, with the default (not
+#: fused, not capturable) implementation on CPU (torch's ``torch/optim/``, read in 2.14.1).
 OPTIMIZER_STATE_PER_ELEMENT: dict[str, tuple[int, bool]] = {
     "sgd": (0, False),
     "sgd_momentum": (1, False),
@@ -127,11 +127,12 @@ _TP_STYLES = {"colwise": (0, 0), "rowwise": (1, None)}  # dim split: weight, bia
 
 
 def zero_partition(sizes: Sequence[int], world_size: int) -> list[list[int]]:
-    """Which parameters ``ZeroRedundancyOptimizer`` gives each rank (torch 2.14, one group).
+    """Which parameters ``ZeroRedundancyOptimizer`` gives each rank (one parameter group).
 
-    Its ``_partition_parameters`` sorts the parameters by ``numel``, largest first (a stable
-    sort), and gives each in turn to the rank with the fewest elements so far (the lowest rank
-    on a tie). Parameters are never split, so a rank's share is not exactly 1/world_size.
+    Its ``_partition_parameters`` (read in torch 2.14.1) sorts the parameters by ``numel``,
+    largest first (a stable sort), and gives each in turn to the rank with the fewest elements
+    so far (the lowest rank on a tie). Parameters are never split, so a rank's share is not
+    exactly 1/world_size.
 
     Args:
         sizes: ``numel`` of each parameter, in the order the optimizer was given them.
@@ -168,10 +169,10 @@ def estimate(
     fsdp_units: Sequence[nn.Module] | None = None,
     tp_plan: Mapping[str, str] | None = None,
 ) -> list[MemoryBreakdown]:
-    """Bytes per rank by category for a model trained with DDP, ZeRO-1, FSDP or TP (torch 2.14).
+    """Bytes per rank by category for a model trained with DDP, ZeRO-1, FSDP or TP.
 
-    The rules, per rank (P = parameter bytes, S = optimizer state per parameter byte, from
-    :data:`OPTIMIZER_STATE_PER_ELEMENT`):
+    torch's rules (read in 2.14.1), per rank (P = parameter bytes, S = optimizer state per
+    parameter byte, from :data:`OPTIMIZER_STATE_PER_ELEMENT`):
 
     * ``"ddp"``: parameters P, gradients P, optimizer state S x P, communication P (DDP's
       buckets hold a copy of every gradient; 0 with ``gradient_as_bucket_view=True``).

@@ -95,7 +95,7 @@ def refusal(*, pp: int, micro_batches: int, schedule: str = "1F1B") -> str | Non
 
     ``Schedule1F1B`` raises ValueError with fewer micro-batches than stages (as does
     ``ScheduleDualPipeV``; ``ScheduleZBVZeroBubble`` checks only its two stages per rank);
-    ``ScheduleGPipe`` runs any number (``pipelining/schedules.py``, torch 2.11 to 2.15).
+    ``ScheduleGPipe`` runs any number (torch's ``pipelining/schedules.py``, read in 2.14.1).
     FSDP (ZeRO-2/3) under a pipeline runs: see :func:`~mgtutor.plan.planner.plan`.
     """
     if schedule not in SCHEDULES:
@@ -149,7 +149,7 @@ def fsdp_in_pipeline(*, dp: int, pp: int, zero: int) -> bool:
     torch's pipeline stage keeps an FSDP module's parameters and gradients unsharded from one
     micro-batch's backward to the next and reduce-scatters after the last
     (``set_reshard_after_backward(False)``, ``set_requires_gradient_sync(False)``,
-    ``perform_reduce_grad`` in ``distributed/pipelining/stage.py``, torch 2.11 to 2.15);
+    ``perform_reduce_grad`` in ``distributed/pipelining/stage.py``, read in torch 2.14.1);
     torchtitan keeps them after forward too (``reshard_after_forward`` False when pipelining:
     ``get_fsdp_reshard_after_forward_policy`` in ``torchtitan/distributed/fsdp.py``). So the
     stage is gathered once and reduce-scattered once per step, and held whole in between.

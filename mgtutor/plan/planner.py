@@ -6,13 +6,10 @@ parallel ``pp``), and returns a :class:`Plan`: the bytes one GPU holds by catego
 each collective moves per optimizer step, and whether it fits. :func:`layouts` tries every
 layout for a number of GPUs and keeps those that fit.
 
-Everything here is arithmetic; the tests check each category against what CPU ranks hold and
-run (tests/plan/test_planner.py and test_activation_plan.py, tests/measure/test_traffic.py): the
-float32 model states against :func:`mgtutor.plan.memplan.estimate` (equal to what ranks
-hold), the activations term by term against autograd in
-:class:`mgtutor.parallel.gpt_layer.GPTLayer`, and every collective against the calls counted in
-ranks (DDP, pipeline, TP and SP with and without recomputation; torch's ZeRO-1/2/3 in
-:func:`mgtutor.measure.traffic.torch_collectives`).
+Everything here is arithmetic, and the tests check each category against what CPU ranks hold
+and run: the float32 model states against :func:`mgtutor.plan.memplan.estimate`, the
+activations against autograd in :class:`mgtutor.parallel.gpt_layer.GPTLayer`, every collective
+against the calls counted in ranks (:func:`mgtutor.measure.traffic.torch_collectives`).
 
 Sources of the formulas:
 
@@ -254,9 +251,6 @@ def plan(
             or ``schedule`` is unknown, or torch does not run the pipeline
             (:func:`~mgtutor.plan.plan_rules.refusal` says why), or ``method`` is refused
             (:func:`~mgtutor.plan.local_sync.method_refusal`: unknown, ZeRO, ``sync_every``).
-
-    Example:
-        >>> plan(Transformer(layers=32, hidden=4096, heads=32, seq_len=4096), 8, 80 * 10**9).fits
     """
     grid = grid_of(gpus, dp, tp, pp, layout)
     dp, tp, pp = grid.dp, grid.tp, grid.pp

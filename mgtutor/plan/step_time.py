@@ -35,7 +35,7 @@ model's shape, a :class:`~mgtutor.plan.machine.Hardware` and a
   the first forward, one reduce-scatter in the last backward (torchtitan's
   ``reshard_after_forward=False`` under PP; torch's pipeline stage).
 * DDP's bucket copies (ZeRO-0, and torch's ZeRO-1, which runs DDP's reducer): unless gradients
-  stay bucket views, each is copied into its bucket and back (``reducer.hpp``, torch 2.11-2.15).
+  stay bucket views, each is copied into its bucket and back (torch's ``reducer.hpp``).
 * The optimizer step: the shard's state, gradients and parameters, read and written once at the
   memory bandwidth.
 
@@ -115,11 +115,6 @@ def step_time(
     Raises:
         ValueError: for LocalSGD or DiLoCo (``plan.method``): their sync, after every H-th
             step (overlapped with the next inner steps under Streaming DiLoCo), is not modelled.
-
-    Example:
-        >>> from mgtutor.plan.machine import H100_SXM_NODE
-        >>> model = Transformer(32, 4096, 32, 4096)
-        >>> step_time(plan(model, 8, 80 * 10**9, zero=1), model, H100_SXM_NODE).total
     """
     if plan.method != "ddp":
         raise ValueError(
