@@ -18,41 +18,31 @@ function                               forward                         backward
 
 Each collective runs on the process group passed as ``group`` (None: the default group, the
 tensor-parallel group of a run that is tensor parallel only: see :mod:`.layout` for the groups
-of a run that combines it with data parallelism) and, inside :func:`count_collectives`, is
-written down with its phase and the bytes of its whole buffer (an all-reduce's tensor, an
-all-gather's output, a reduce-scatter's input), the convention of notebook 12. That list is
-what the functions say they ran; :class:`CollectiveCounter` records what ran, at the
-dispatcher. The all-gather and reduce-scatter are ``dist.all_gather_single`` and
-``dist.reduce_scatter_single`` (torch 2.14 deprecates the older names,
-``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which are used where the new ones do
-not exist, as in 2.4); gloo runs both on CPU (measured with 2.4.1 and 2.14.1). They work along
-dim 0, so another dim is moved to the front.
+of a run that combines it with data parallelism). What they ran is recorded at the dispatcher by
+:func:`mgtutor.parallel.comms.record_comms`, with the pass it ran in; the ``phase`` argument of
+the functions below names that pass for the reader. The all-gather and reduce-scatter are
+``dist.all_gather_single`` and ``dist.reduce_scatter_single`` (torch 2.14 deprecates the older
+names, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which are used where the new
+ones do not exist, as in 2.4); gloo runs both on CPU (measured with 2.4.1 and 2.14.1). They work
+along dim 0, so another dim is moved to the front.
+
+:class:`CollectiveCounter`, :class:`Collective` and :func:`by_kind` are the names notebooks 02,
+04 and 13 still use, kept over :mod:`.comms` until they move to it. torch's ``CommDebugMode``
+(``torch.distributed.tensor.debug``) counts the same operators; on torch 2.11 to 2.13 it raises
+IndexError in ``_fw_set_module_hook`` when a module runs twice in one forward, as
+``tensor.Block``'s dropout does (each run adds a forward hook that pops the module's parent, so
+the second run pops twice; 2.14's ``debug/_comm_mode.py`` removes the earlier hook first).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections import Counter
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from mgtutor.parallel._tally import Tally
-
-
-def _dtensor_type() -> type | None:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without the public DTensor (before 2.5)
-        return None
-    return DTensor
-
-
-_DTENSOR = _dtensor_type()
+from mgtutor.parallel.comms import Comm, CommRecorder, by_kind, comm_counts
 
 #: A process group, or None for the default group (what ``torch.distributed`` takes).
 Group = dist.ProcessGroup | None
@@ -66,9 +56,7 @@ __all__ = [
     "all_gather_along",
     "by_kind",
     "copy_to_parallel",
-    "count_collectives",
     "gather_from_sequence",
-    "record_collective",
     "reduce_from_parallel",
     "reduce_scatter_along",
     "reduce_scatter_to_sequence",
@@ -77,148 +65,42 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Collective:
-    """One collective a rank ran: its name, in which pass, and the bytes of its whole buffer."""
+    """Notebook 13's old record, ``(name, phase, nbytes)``: kept until it reads :class:`Comm`."""
 
-    name: str  # "all_reduce", "all_gather" or "reduce_scatter"
-    phase: str  # "backward" inside autograd's backward, else "forward"
+    name: str
+    phase: str
     nbytes: int
 
-
-_TALLY = Tally()
-
-
-def count_collectives() -> contextlib.AbstractContextManager[list[Collective]]:
-    """Write down every collective the functions of this module run inside the block.
-
-    Example:
-        >>> with count_collectives() as calls:
-        ...     model(x).sum().backward()
-        >>> [(c.name, c.phase) for c in calls]  # [("all_reduce", "forward"), ...]
-    """
-    return _TALLY.count()
+    @property
+    def op(self) -> str:
+        """The kind, as :class:`Comm` names it (so :func:`by_kind` reads both)."""
+        return self.name
 
 
-def by_kind(counts: Mapping[Any, int] | list[Collective]) -> dict[str, int]:
-    """Collectives counted by kind, "all_reduce", "all_gather" or "reduce_scatter".
-
-    Accepts what :func:`count_collectives` wrote down, or torch's
-    ``CommDebugMode().get_comm_counts()``, whose keys are operators (``c10d.allreduce_`` for
-    ``dist.all_reduce``, ``c10d_functional.all_reduce`` for DTensor's), so the two can be
-    compared.
-    """
-    if isinstance(counts, list):
-        return dict(Counter(c.name for c in counts))
-    out: Counter[str] = Counter()
-    for op, n in counts.items():
-        name = str(op).replace("allreduce", "all_reduce").replace("allgather", "all_gather")
-        kind = next((k for k in ("all_reduce", "all_gather", "reduce_scatter") if k in name), name)
-        out[kind] += n
-    return dict(out)
+_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
 
-_COLLECTIVE_NAMESPACES = (
-    "c10d",
-    "_c10d_functional",
-    "c10d_functional",
-    "_c10d_functional_autograd",
-)
-_COLLECTIVE_WORDS = (
-    "allreduce",
-    "all_reduce",
-    "allgather",
-    "all_gather",
-    "reduce_scatter",
-    "broadcast",
-    "alltoall",
-    "all_to_all",
-)
+class CollectiveCounter(CommRecorder):
+    """The old name of :class:`~.comms.CommRecorder`, collectives only (no send, receive or
+    barrier), as notebooks 02, 04 and 13 read it: kept until they use :func:`record_comms`.
 
-
-class CollectiveCounter(TorchDispatchMode):
-    """Record the collective operators run inside the block: torch's ``CommDebugMode``, by hand.
-
-    Each operator is seen at the dispatcher when it runs, so what it records is what ran, not
-    what the calling code says it ran. ``calls`` lists them in order as :class:`Collective`
-    records: the kind, the phase (``"backward"`` while autograd's engine is running a node,
-    ``torch._C._current_autograd_node()``), and the bytes of the largest tensor among the
-    operator's inputs and outputs (an all-reduce's tensor, an all-gather's output, a
-    reduce-scatter's input: the whole buffer). An operator on DTensors is handed to DTensor
-    first (as ``CommDebugMode`` does), so the collectives it runs to redistribute its inputs
-    are seen one by one. ``get_comm_counts()`` returns
-    ``{"namespace.operator": calls}``, which :func:`by_kind` reads as it reads
-    ``CommDebugMode().get_comm_counts()``: DTensor's collectives (``_c10d_functional.*``, run on
-    the local tensors) and ``torch.distributed``'s (``c10d.*``) alike.
-
-    For torch 2.11 to 2.13, whose ``CommDebugMode`` raises IndexError in
-    ``_fw_set_module_hook`` when a module runs twice in one forward, as ``tensor.Block``'s
-    dropout does: each run adds a forward hook that pops the module's parent, so the second
-    run pops twice (torch 2.14's ``debug/_comm_mode.py`` removes the earlier hook first).
-
-    Example:
-        >>> with CollectiveCounter() as counter:
-        ...     model(x).sum().backward()
-        >>> [(c.name, c.phase, c.nbytes) for c in counter.calls]
+    ``calls`` are :class:`Comm` records (``name``, ``phase``, ``nbytes`` their old names);
+    ``get_comm_counts()`` gives :func:`comm_counts` of them.
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: Counter[str] = Counter()
-        self.calls: list[Collective] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _DTENSOR is not None and _DTENSOR in types:
-            # Let DTensor run first: an operator on DTensors redistributes its inputs (a Partial
-            # gradient read by an optimizer's step) with collectives on the local tensors, which
-            # come back here. Calling func instead would run them where this mode cannot see.
-            return NotImplemented
-        out = func(*args, **(kwargs or {}))
-        name = getattr(func, "_opname", "")
-        if getattr(func, "namespace", None) in _COLLECTIVE_NAMESPACES and any(
-            word in name for word in _COLLECTIVE_WORDS
-        ):
-            self.counts[f"{func.namespace}.{name}"] += 1
-            tensors = [
-                t for t in _flatten((args, kwargs or {}, out)) if isinstance(t, torch.Tensor)
-            ]
-            phase = _phase()
-            kind = by_kind({name: 1}).popitem()[0]
-            self.calls.append(Collective(kind, phase, max((t.nbytes for t in tensors), default=0)))
-        return out
+    @property
+    def calls(self) -> list[Comm]:
+        """The collectives recorded so far."""
+        return [c for c in self.comms if c.op in _COLLECTIVES]
 
     def get_comm_counts(self) -> dict[str, int]:
         """Calls so far, by operator, as ``CommDebugMode.get_comm_counts`` gives them."""
-        return dict(self.counts)
-
-
-def _flatten(value: Any) -> list[Any]:
-    if isinstance(value, (list, tuple)):
-        return [leaf for item in value for leaf in _flatten(item)]
-    if isinstance(value, dict):
-        return _flatten(list(value.values()))
-    return [value]
-
-
-def _phase() -> str:
-    """The pass a collective runs in: ``"backward"`` while autograd's engine runs a node.
-
-    ``"forward"`` otherwise, and ``"unknown"`` on a torch without the private
-    ``torch._C._current_autograd_node`` (2.4 to 2.15 have it).
-    """
-    current_node = getattr(torch._C, "_current_autograd_node", None)
-    if current_node is None:
-        return "unknown"
-    return "forward" if current_node() is None else "backward"
-
-
-def record_collective(name: str, phase: str, nbytes: int) -> None:
-    """Add one collective to what :func:`count_collectives` is counting (if anything is)."""
-    _TALLY.write(Collective(name, phase, nbytes))
+        return comm_counts(self.calls)
 
 
 def _all_reduce(tensor: torch.Tensor, phase: str, group: Group = None) -> torch.Tensor:
     # A copy: autograd may hand the same gradient tensor to both branches of a residual.
     out = tensor.contiguous().clone()
-    record_collective("all_reduce", phase, out.nbytes)
     dist.all_reduce(out, group=group)
     return out
 
@@ -226,10 +108,9 @@ def _all_reduce(tensor: torch.Tensor, phase: str, group: Group = None) -> torch.
 def all_gather_along(
     tensor: torch.Tensor, dim: int, phase: str, group: Group = None
 ) -> torch.Tensor:
-    """Every rank's ``tensor`` joined along ``dim``, recorded as an all_gather of ``phase``."""
+    """Every rank's ``tensor`` joined along ``dim`` (an all_gather, run in pass ``phase``)."""
     front = tensor.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * dist.get_world_size(group), *front.shape[1:]))
-    record_collective("all_gather", phase, out.nbytes)
     _ALL_GATHER(out, front, group=group)
     return out.movedim(0, dim).contiguous()  # one copy, which the next layer may keep
 
@@ -246,7 +127,6 @@ def reduce_scatter_along(
         )
     front = tensor.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // world, *front.shape[1:]))
-    record_collective("reduce_scatter", phase, front.nbytes)
     _REDUCE_SCATTER(out, front, group=group)
     return out.movedim(0, dim).contiguous()  # one copy, which the next layer may keep
 

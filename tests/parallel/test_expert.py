@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import mgtutor
 from mgtutor.parallel import expert
+from mgtutor.parallel.comms import record_comms
 
 DIM, HIDDEN, EXPERTS, K, TOKENS, WORLD = 8, 16, 4, 2, 12, 2  # TOKENS per rank
 
@@ -91,7 +92,7 @@ def _worker(capacity_factor: float | None, starved: bool) -> dict[str, Any]:
         p.grad.clone() for p in moe.experts[first : first + EXPERTS // WORLD].parameters()
     ]
     moe.zero_grad()
-    with expert.AllToAllRecorder() as recorder, expert.count_all_to_all() as log:
+    with expert.AllToAllRecorder() as recorder, record_comms() as comms:
         y_mine, aux_mine = ep(x_mine)
         ((y_mine * grad_y[mine]).sum() + aux_mine / WORLD).backward()
     router_grad = moe.router.weight.grad.clone()
@@ -108,7 +109,10 @@ def _worker(capacity_factor: float | None, starved: bool) -> dict[str, Any]:
         "expert_grads": all(
             torch.allclose(p.grad, q) for p, q in zip(ep.experts.parameters(), reference_experts)
         ),
-        "log": log,
+        "log": [(c.phase, c.sent_to, c.received_from) for c in comms if c.op == "all_to_all"],
+        "sent": [(c.sent, c.received) for c in comms],
+        "groups": {(c.group, c.group_size) for c in comms},
+        "world": dist.group.WORLD.group_name,
         "ran": [(call.phase, call.sent, call.received) for call in recorder.calls],
         "arrived": recorder.calls[1].rows,
         "last": ep.last,
@@ -161,12 +165,31 @@ def test_the_backward_of_a_dispatch_is_a_combine_shaped_all_to_all() -> None:
         got = rank[0]
         send = tuple(n * row for n in got["last"]["send"])
         recv = tuple(n * row for n in got["last"]["recv"])
-        assert [(e.phase, e.sent, e.received) for e in got["log"]] == [
+        assert got["log"] == [
+            ("forward", (EXPERTS // WORLD * 8,) * WORLD, (EXPERTS // WORLD * 8,) * WORLD),  # counts
             ("forward", send, recv),  # dispatch
             ("forward", recv, send),  # combine
             ("backward", send, recv),  # combine's backward: dispatch-shaped
             ("backward", recv, send),  # dispatch's backward: combine-shaped
         ]
+
+
+def test_an_all_to_all_sends_and_receives_all_but_this_ranks_own_slice() -> None:
+    row = DIM * 8  # float64
+    for rank, got in enumerate(r[0] for r in _run()):
+        send, recv = got["last"]["send"], got["last"]["recv"]
+        sent = row * (sum(send) - send[rank])  # this rank's own rows never leave it
+        received = row * (sum(recv) - recv[rank])
+        counts = EXPERTS // WORLD * 8 * (WORLD - 1)  # one int64 per expert of each other rank
+        assert got["sent"] == [
+            (counts, counts),
+            (sent, received),  # dispatch
+            (received, sent),  # combine
+            (sent, received),  # combine's backward
+            (received, sent),  # dispatch's backward
+        ]
+        assert 0 < sent < row * sum(send)
+        assert got["groups"] == {(got["world"], WORLD)}
 
 
 @pytest.mark.parametrize("case", [0, 1, 2])
