@@ -7,8 +7,6 @@ module checks it on CPU ranks and says where torch 2.14 does something else:
   reaches a process group as a :class:`~mgtutor.parallel.comms.Comm` (kind, the group's size
   and name, bytes of the whole buffer); :func:`tally` groups them as the planner's
   :class:`~mgtutor.plan.planner.Collective`, with the bytes one GPU sends.
-  :func:`record_collectives` is the same less DTensor's functional collectives, the name the
-  notebooks still use.
 * :func:`build` makes the modules a :class:`~mgtutor.plan.shape.Transformer` describes
   (an embedding, then one :class:`mgtutor.parallel.tensor.Block` per layer), so the ranks run
   the very parameter count the planner plans.
@@ -45,14 +43,13 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from mgtutor.measure.written import SocketWrites, bytes_written
-from mgtutor.parallel.comms import Comm, CommRecorder, record_comms
+from mgtutor.parallel.comms import Comm, record_comms
 from mgtutor.parallel.tensor import Block
 from mgtutor.plan.planner import Collective
 from mgtutor.plan.shape import Transformer
@@ -63,7 +60,6 @@ __all__ = [
     "build",
     "bytes_written",
     "count_steps",
-    "record_collectives",
     "tally",
     "torch_collectives",
     "totals",
@@ -75,29 +71,6 @@ def _sent(name: str, size: int, nbytes: int) -> int:
     if name == "send":
         return nbytes
     return bytes_sent_on_ring(name, size, nbytes) if name in RING_PASSES else 0
-
-
-@contextlib.contextmanager
-def record_collectives() -> Iterator[list[Comm]]:
-    """Inside a rank: every ``c10d`` call (``torch.distributed``'s) made while the block runs.
-
-    :func:`mgtutor.parallel.comms.record_comms`, less DTensor's functional collectives: the
-    calls notebooks 12, 17, 19 and 21 count with it, kept until they use ``record_comms``.
-
-    Example:
-        >>> with record_collectives() as calls:
-        ...     ddp(x).sum().backward()
-        >>> [(c.op, c.buffer) for c in calls]   # [("all_reduce", 5152)]
-    """
-    comms: list[Comm] = []
-    with _C10dOnly(comms):
-        yield comms
-
-
-class _C10dOnly(CommRecorder):
-    def keep(self, comm: Comm, args: tuple[Any, ...], out: Any) -> None:
-        if comm.operator.startswith("c10d."):
-            super().keep(comm, args, out)
 
 
 def _sorted(collectives: list[Collective]) -> tuple[Collective, ...]:

@@ -61,8 +61,8 @@ class Comm:
     sent_to: tuple[int, ...] = ()  # an all-to-all's bytes to each rank of the group, own included
     received_from: tuple[int, ...] = ()  # an all-to-all's bytes from each rank, own included
 
-    # The names of the record this one replaced (``measure.traffic.Call``), which notebooks
-    # still read: kept until the notebooks move to the names above.
+    # The names of the record this one replaced (``measure.traffic.Call``), which notebook 19
+    # still reads: kept until it moves to the names above.
     @property
     def name(self) -> str:
         """Old name of :attr:`op`."""
@@ -221,11 +221,7 @@ _DTENSOR = _dtensor_type()
 
 
 class CommRecorder(TorchDispatchMode):
-    """The dispatch mode behind :func:`record_comms`; ``comms`` lists the calls in order.
-
-    :meth:`keep` receives each record with the operator's arguments and output: the old
-    recorders that also kept tensors (``expert.AllToAllRecorder``) override it.
-    """
+    """The dispatch mode behind :func:`record_comms`; ``comms`` lists the calls in order."""
 
     def __init__(self, comms: list[Comm] | None = None) -> None:
         super().__init__()
@@ -241,12 +237,8 @@ class CommRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         comm = _describe(func, args, kwargs, out)
         if comm is not None:
-            self.keep(comm, args, out)
+            self.comms.append(comm)
         return out
-
-    def keep(self, comm: Comm, args: tuple[Any, ...], out: Any) -> None:
-        """Append ``comm`` to :attr:`comms` (``args`` and ``out``: the operator's tensors)."""
-        self.comms.append(comm)
 
 
 @contextlib.contextmanager

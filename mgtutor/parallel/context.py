@@ -7,8 +7,7 @@ blocks are combined exactly with their log-sum-exps (:func:`merge_partials`), so
 equals full attention. With a causal mask the contiguous split gives the last rank the most
 work; the zig-zag split (:func:`split_zigzag`) gives every rank the same.
 :func:`ulysses_attention` splits by head instead, and
-:func:`mgtutor.parallel.comms.record_comms` records what each design sends, as it runs
-(:class:`SentBytes`: the view of it notebook 14 still uses).
+:func:`mgtutor.parallel.comms.record_comms` records what each design sends, as it runs.
 
 A rank's *layout* is the global positions of its rows: :func:`split_contiguous` and
 :func:`split_zigzag` give every rank's, and every rank passes all of them to
@@ -32,10 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from mgtutor.parallel.comms import Comm, CommRecorder
-
 __all__ = [
-    "SentBytes",
     "attention_with_lse",
     "merge_partials",
     "needed_block",
@@ -322,37 +318,3 @@ def ulysses_attention(
     recv = torch.empty_like(send.contiguous())  # recv[j]: this rank's tokens, rank j's heads
     dist.all_to_all_single(recv, send.contiguous(), group=group)
     return recv.transpose(0, 1).reshape(batch, heads, rows, dim)
-
-
-#: The operators notebook 14 counts, as :class:`SentBytes` recorded them.
-_SENT_BYTES_OPERATORS = (
-    "c10d.send",
-    "c10d.recv_",
-    "_c10d_functional.all_gather_into_tensor",
-    "_c10d_functional.all_to_all_single",
-    "c10d.alltoall_base_",
-)
-
-
-class SentBytes(CommRecorder):
-    """:class:`~.comms.CommRecorder` as notebook 14 reads it, kept until it reads ``comms``.
-
-    ``records`` holds ``(operator, bytes sent to other ranks, bytes of the buffer received)``
-    for sends, receives, all-gathers and all-to-alls: the sent bytes are :attr:`Comm.sent`; the
-    received buffer includes this rank's own block (an all-gather's output, an all-to-all's).
-    """
-
-    @property
-    def records(self) -> list[tuple[str, int, int]]:
-        """Per call of the operators above, in order."""
-        return [
-            (c.operator, c.sent, _received_buffer(c))
-            for c in self.comms
-            if c.operator in _SENT_BYTES_OPERATORS
-        ]
-
-
-def _received_buffer(comm: Comm) -> int:
-    if comm.op == "all_to_all":
-        return sum(comm.received_from)
-    return comm.buffer if comm.op == "all_gather" else comm.received

@@ -17,8 +17,8 @@ combine ``all_to_all(y, r, s)``   the results back to their ranks    dispatch-sh
 The backward of a dispatch is a combine-shaped all-to-all, and vice versa.
 :func:`mgtutor.parallel.comms.record_comms` records each exchange that ran (the small exchange of
 per-expert counts before the dispatch, one int64 per expert, included), with its phase and the
-bytes it sent to and received from each rank (``sent_to``, ``received_from``).
-:class:`AllToAllRecorder`, the name notebook 16 still uses, also keeps the rows that arrived.
+bytes it sent to and received from each rank (``sent_to``, ``received_from``); the layer keeps
+the rows that arrived (``ExpertParallelMoE.last["arrived"]``).
 :class:`MoE` is the one-process layer;
 :class:`ExpertParallelMoE` the same layer on ranks, built from it. Capacity is applied per
 group of tokens (a rank's tokens), first choices in token order, then second choices (as
@@ -31,18 +31,13 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from mgtutor.parallel.comms import Comm, CommRecorder
-
 __all__ = [
-    "AllToAllRecorder",
-    "Ran",
     "ExpertParallelMoE",
     "MoE",
     "all_to_all",
@@ -51,40 +46,6 @@ __all__ = [
     "load_balancing_loss",
     "plan_dispatch",
 ]
-
-
-@dataclass(frozen=True)
-class Ran:
-    """One all-to-all as notebook 16 reads it: pass, bytes of the tensors, rows received."""
-
-    phase: str  # "forward", or "backward" inside autograd's backward ("unknown" if untold)
-    sent: int  # bytes of the input tensor, this rank's own slice included
-    received: int  # bytes of the output tensor, this rank's own slice included
-    rows: torch.Tensor  # the output tensor itself: what arrived, filled once the call returned
-
-
-class AllToAllRecorder(CommRecorder):
-    """:class:`~.comms.CommRecorder` keeping each all-to-all's output rows too: the name
-    notebook 16 still uses. ``calls`` lists the all-to-alls as :class:`Ran`.
-
-    Example:
-        >>> with AllToAllRecorder() as recorder:
-        ...     y, aux = ExpertParallelMoE(moe)(x)
-        >>> [call.received for call in recorder.calls]
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[Ran] = []
-
-    def keep(self, comm: Comm, args: tuple[Any, ...], out: Any) -> None:
-        """Keep ``comm``, and an all-to-all's output rows (``c10d.alltoall_base_``'s first
-        argument, a functional one's result) as a :class:`Ran`."""
-        super().keep(comm, args, out)
-        if comm.op == "all_to_all":
-            rows = args[0] if comm.operator.startswith("c10d.") else out
-            sent, received = sum(comm.sent_to), sum(comm.received_from)
-            self.calls.append(Ran(comm.phase, sent, received, rows))
 
 
 def _exchange(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
@@ -257,7 +218,8 @@ class ExpertParallelMoE(nn.Module):
     rank's part: all-reduce it with a sum (DDP would average: right only if each rank's loss is
     scaled by the world size). ``plan`` replaces
     :func:`plan_dispatch` (notebook 16's exercise). ``last`` keeps the latest forward's counts
-    (``per_expert``, ``send``, ``recv``, ``dropped``) for inspection.
+    (``per_expert``, ``send``, ``recv``, ``dropped``) and the rows the dispatch brought
+    (``arrived``: source rank 0's first, each source's by expert) for inspection.
     """
 
     def __init__(self, moe: MoE, plan: Callable[..., Any] | None = None) -> None:
@@ -299,5 +261,6 @@ class ExpertParallelMoE(nn.Module):
             "send": send,
             "recv": recv,
             "dropped": int((~r["keep"]).sum()),
+            "arrived": received.detach(),
         }
         return y, load_balancing_loss(r["probs"], r["experts"])

@@ -10,8 +10,8 @@ Notebook 15 builds what ``torch.distributed.pipelining`` does and checks it agai
   and the bubble's formula; its names are importable from here too.
 * :func:`run_order` runs a stage's actions, timing each as an mgtutor phase;
   :class:`HeldMicroBatches` measures, while it runs, how many micro-batches' saved activations
-  are really still alive; :class:`P2PCounter` counts the sends and receives that ran (a view of
-  :func:`mgtutor.parallel.comms.record_comms`).
+  are really still alive; :func:`mgtutor.parallel.comms.record_comms` records the sends and
+  receives that ran (:class:`P2PCounter`: notebook 02's view of them).
 
 Stage ``s`` runs on global rank ``ranks[s]``: by default ``s``, the default process group's
 ranks in order; inside a :class:`~.layout.Layout`, ``ranks=groups.pp_ranks``, this rank's
@@ -261,7 +261,8 @@ class HeldMicroBatches:
 
 
 class P2PCounter(CommRecorder):
-    """:class:`~.comms.CommRecorder`'s sends and receives, as notebooks 02 and 15 read them.
+    """:class:`~.comms.CommRecorder`'s sends and receives, as notebook 02 reads them (kept until
+    it uses :func:`~.comms.record_comms`).
 
     ``dist.send`` and ``isend`` reach the operator ``c10d.send``, ``recv`` and ``irecv``
     ``c10d.recv_``, also inside torch's schedules' ``batch_isend_irecv``. ``counts`` maps each

@@ -26,8 +26,8 @@ names, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which are used 
 ones do not exist, as in 2.4); gloo runs both on CPU (measured with 2.4.1 and 2.14.1). They work
 along dim 0, so another dim is moved to the front.
 
-:class:`CollectiveCounter`, :class:`Collective` and :func:`by_kind` are the names notebooks 02,
-04 and 13 still use, kept over :mod:`.comms` until they move to it. torch's ``CommDebugMode``
+:class:`CollectiveCounter`, the name notebook 02 still uses, is kept over :mod:`.comms` until it
+moves to :func:`~.comms.record_comms`. torch's ``CommDebugMode``
 (``torch.distributed.tensor.debug``) counts the same operators; on torch 2.11 to 2.13 it raises
 IndexError in ``_fw_set_module_hook`` when a module runs twice in one forward, as
 ``tensor.Block``'s dropout does (each run adds a forward hook that pops the module's parent, so
@@ -36,13 +36,12 @@ the second run pops twice; 2.14's ``debug/_comm_mode.py`` removes the earlier ho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from mgtutor.parallel.comms import Comm, CommRecorder, by_kind, comm_counts
+from mgtutor.parallel.comms import Comm, CommRecorder, comm_counts
 
 #: A process group, or None for the default group (what ``torch.distributed`` takes).
 Group = dist.ProcessGroup | None
@@ -51,10 +50,8 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 __all__ = [
-    "Collective",
     "CollectiveCounter",
     "all_gather_along",
-    "by_kind",
     "copy_to_parallel",
     "gather_from_sequence",
     "reduce_from_parallel",
@@ -63,26 +60,12 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class Collective:
-    """Notebook 13's old record, ``(name, phase, nbytes)``: kept until it reads :class:`Comm`."""
-
-    name: str
-    phase: str
-    nbytes: int
-
-    @property
-    def op(self) -> str:
-        """The kind, as :class:`Comm` names it (so :func:`by_kind` reads both)."""
-        return self.name
-
-
 _COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 
 
 class CollectiveCounter(CommRecorder):
-    """The old name of :class:`~.comms.CommRecorder`, collectives only (no send, receive or
-    barrier), as notebooks 02, 04 and 13 read it: kept until they use :func:`record_comms`.
+    """:class:`~.comms.CommRecorder`'s collectives (no send, receive or barrier), as notebook
+    02 reads them: kept until it uses :func:`~.comms.record_comms`.
 
     ``calls`` are :class:`Comm` records (``name``, ``phase``, ``nbytes`` their old names);
     ``get_comm_counts()`` gives :func:`comm_counts` of them.

@@ -92,7 +92,7 @@ def _worker(capacity_factor: float | None, starved: bool) -> dict[str, Any]:
         p.grad.clone() for p in moe.experts[first : first + EXPERTS // WORLD].parameters()
     ]
     moe.zero_grad()
-    with expert.AllToAllRecorder() as recorder, record_comms() as comms:
+    with record_comms() as comms:
         y_mine, aux_mine = ep(x_mine)
         ((y_mine * grad_y[mine]).sum() + aux_mine / WORLD).backward()
     router_grad = moe.router.weight.grad.clone()
@@ -113,8 +113,7 @@ def _worker(capacity_factor: float | None, starved: bool) -> dict[str, Any]:
         "sent": [(c.sent, c.received) for c in comms],
         "groups": {(c.group, c.group_size) for c in comms},
         "world": dist.group.WORLD.group_name,
-        "ran": [(call.phase, call.sent, call.received) for call in recorder.calls],
-        "arrived": recorder.calls[1].rows,
+        "arrived": ep.last["arrived"],
         "last": ep.last,
         "experts": r["experts"],
         "keep": r["keep"],
@@ -174,9 +173,10 @@ def test_the_backward_of_a_dispatch_is_a_combine_shaped_all_to_all() -> None:
         ]
 
 
-def test_an_all_to_all_sends_and_receives_all_but_this_ranks_own_slice() -> None:
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_an_all_to_all_sends_and_receives_all_but_this_ranks_own_slice(case: int) -> None:
     row = DIM * 8  # float64
-    for rank, got in enumerate(r[0] for r in _run()):
+    for rank, got in enumerate(r[case] for r in _run()):
         send, recv = got["last"]["send"], got["last"]["recv"]
         sent = row * (sum(send) - send[rank])  # this rank's own rows never leave it
         received = row * (sum(recv) - recv[rank])
@@ -188,14 +188,12 @@ def test_an_all_to_all_sends_and_receives_all_but_this_ranks_own_slice() -> None
             (sent, received),  # combine's backward
             (received, sent),  # dispatch's backward
         ]
-        assert 0 < sent < row * sum(send)
         assert got["groups"] == {(got["world"], WORLD)}
 
 
 @pytest.mark.parametrize("case", [0, 1, 2])
-def test_the_recorder_keeps_every_all_to_all_that_ran_with_the_rows_that_arrived(case: int) -> None:
+def test_the_layer_keeps_the_rows_that_arrived_the_other_ranks_kept_tokens(case: int) -> None:
     moe, x = _layer_and_tokens(*CONFIGS[case])
-    row = DIM * 8  # float64
     for rank, got in enumerate(r[case] for r in _run()):
         expected = []  # each source rank's kept tokens for this rank's experts, by expert
         for src in range(WORLD):
@@ -204,14 +202,6 @@ def test_the_recorder_keeps_every_all_to_all_that_ran_with_the_rows_that_arrived
                 tokens, _ = ((r["experts"] == e) & r["keep"]).nonzero(as_tuple=True)
                 expected.append(x[src * TOKENS + tokens])
         assert torch.equal(got["arrived"], torch.cat(expected))
-        sent, received = row * sum(got["last"]["send"]), row * sum(got["last"]["recv"])
-        assert got["ran"] == [
-            ("forward", EXPERTS * 8, EXPERTS * 8),  # the counts, int64
-            ("forward", sent, received),  # dispatch
-            ("forward", received, sent),  # combine
-            ("backward", sent, received),  # combine's backward
-            ("backward", received, sent),  # dispatch's backward
-        ]
 
 
 def test_capacity_one_drops_exactly_the_assignments_past_each_experts_capacity() -> None:
