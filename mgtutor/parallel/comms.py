@@ -61,28 +61,6 @@ class Comm:
     sent_to: tuple[int, ...] = ()  # an all-to-all's bytes to each rank of the group, own included
     received_from: tuple[int, ...] = ()  # an all-to-all's bytes from each rank, own included
 
-    # The names of the record this one replaced (``measure.traffic.Call``), which notebook 19
-    # still reads: kept until it moves to the names above.
-    @property
-    def name(self) -> str:
-        """Old name of :attr:`op`."""
-        return self.op
-
-    @property
-    def size(self) -> int:
-        """Old name of :attr:`group_size`."""
-        return self.group_size
-
-    @property
-    def nbytes(self) -> int:
-        """Old name of :attr:`buffer`."""
-        return self.buffer
-
-    @property
-    def sent_bytes(self) -> int:
-        """Old name of :attr:`sent`."""
-        return self.sent
-
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 _KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")

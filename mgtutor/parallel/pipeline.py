@@ -11,7 +11,7 @@ Notebook 15 builds what ``torch.distributed.pipelining`` does and checks it agai
 * :func:`run_order` runs a stage's actions, timing each as an mgtutor phase;
   :class:`HeldMicroBatches` measures, while it runs, how many micro-batches' saved activations
   are really still alive; :func:`mgtutor.parallel.comms.record_comms` records the sends and
-  receives that ran (:class:`P2PCounter`: notebook 02's view of them).
+  receives that ran.
 
 Stage ``s`` runs on global rank ``ranks[s]``: by default ``s``, the default process group's
 ranks in order; inside a :class:`~.layout.Layout`, ``ranks=groups.pp_ranks``, this rank's
@@ -34,7 +34,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from mgtutor.parallel.comms import CommRecorder
 from mgtutor.parallel.pipeline_orders import (
     Action,
     bubble_fraction,
@@ -49,7 +48,6 @@ from mgtutor.parallel.pipeline_orders import (
 __all__ = [
     "HandStage",
     "HeldMicroBatches",
-    "P2PCounter",
     "bubble_fraction",
     "gpipe_order",
     "max_in_flight",
@@ -258,27 +256,6 @@ class HeldMicroBatches:
         alive = sum(any(not ref.expired() for ref in refs) for refs in self._saved.values())
         self.peak = max(self.peak, alive)
         return alive
-
-
-class P2PCounter(CommRecorder):
-    """:class:`~.comms.CommRecorder`'s sends and receives, as notebook 02 reads them (kept until
-    it uses :func:`~.comms.record_comms`).
-
-    ``dist.send`` and ``isend`` reach the operator ``c10d.send``, ``recv`` and ``irecv``
-    ``c10d.recv_``, also inside torch's schedules' ``batch_isend_irecv``. ``counts`` maps each
-    operator to its calls; ``sent_bytes`` adds up the tensors sent.
-    """
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """Calls of ``send`` and ``recv_`` so far."""
-        names = [c.operator.split(".", 1)[1] for c in self.comms if c.op in ("send", "recv")]
-        return {name: names.count(name) for name in ("send", "recv_")}
-
-    @property
-    def sent_bytes(self) -> int:
-        """Bytes of the tensors sent so far."""
-        return sum(c.sent for c in self.comms if c.op == "send")
 
 
 def _no_phase(name: str) -> contextlib.AbstractContextManager[None]:

@@ -19,15 +19,13 @@ function                               forward                         backward
 Each collective runs on the process group passed as ``group`` (None: the default group, the
 tensor-parallel group of a run that is tensor parallel only: see :mod:`.layout` for the groups
 of a run that combines it with data parallelism). What they ran is recorded at the dispatcher by
-:func:`mgtutor.parallel.comms.record_comms`, with the pass it ran in; the ``phase`` argument of
-the functions below names that pass for the reader. The all-gather and reduce-scatter are
-``dist.all_gather_single`` and ``dist.reduce_scatter_single`` (torch 2.14 deprecates the older
-names, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which are used where the new
-ones do not exist, as in 2.4); gloo runs both on CPU (measured with 2.4.1 and 2.14.1). They work
-along dim 0, so another dim is moved to the front.
+:func:`mgtutor.parallel.comms.record_comms`, with the pass it ran in. The all-gather and
+reduce-scatter are ``dist.all_gather_single`` and ``dist.reduce_scatter_single`` (torch 2.14
+deprecates the older names, ``all_gather_into_tensor`` and ``reduce_scatter_tensor``, which are
+used where the new ones do not exist, as in 2.4); gloo runs both on CPU (measured with 2.4.1
+and 2.14.1). They work along dim 0, so another dim is moved to the front.
 
-:class:`CollectiveCounter`, the name notebook 02 still uses, is kept over :mod:`.comms` until it
-moves to :func:`~.comms.record_comms`. torch's ``CommDebugMode``
+torch's ``CommDebugMode``
 (``torch.distributed.tensor.debug``) counts the same operators; on torch 2.11 to 2.13 it raises
 IndexError in ``_fw_set_module_hook`` when a module runs twice in one forward, as
 ``tensor.Block``'s dropout does (each run adds a forward hook that pops the module's parent, so
@@ -41,8 +39,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mgtutor.parallel.comms import Comm, CommRecorder, comm_counts
-
 #: A process group, or None for the default group (what ``torch.distributed`` takes).
 Group = dist.ProcessGroup | None
 
@@ -50,7 +46,8 @@ _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 __all__ = [
-    "CollectiveCounter",
+    "CopyToParallel",
+    "ReduceFromParallel",
     "all_gather_along",
     "copy_to_parallel",
     "gather_from_sequence",
@@ -60,47 +57,22 @@ __all__ = [
 ]
 
 
-_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
-
-
-class CollectiveCounter(CommRecorder):
-    """:class:`~.comms.CommRecorder`'s collectives (no send, receive or barrier), as notebook
-    02 reads them: kept until it uses :func:`~.comms.record_comms`.
-
-    ``calls`` are :class:`Comm` records (``name``, ``phase``, ``nbytes`` their old names);
-    ``get_comm_counts()`` gives :func:`comm_counts` of them.
-    """
-
-    @property
-    def calls(self) -> list[Comm]:
-        """The collectives recorded so far."""
-        return [c for c in self.comms if c.op in _COLLECTIVES]
-
-    def get_comm_counts(self) -> dict[str, int]:
-        """Calls so far, by operator, as ``CommDebugMode.get_comm_counts`` gives them."""
-        return comm_counts(self.calls)
-
-
-def _all_reduce(tensor: torch.Tensor, phase: str, group: Group = None) -> torch.Tensor:
+def _all_reduce(tensor: torch.Tensor, group: Group = None) -> torch.Tensor:
     # A copy: autograd may hand the same gradient tensor to both branches of a residual.
     out = tensor.contiguous().clone()
     dist.all_reduce(out, group=group)
     return out
 
 
-def all_gather_along(
-    tensor: torch.Tensor, dim: int, phase: str, group: Group = None
-) -> torch.Tensor:
-    """Every rank's ``tensor`` joined along ``dim`` (an all_gather, run in pass ``phase``)."""
+def all_gather_along(tensor: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
+    """Every rank's ``tensor`` joined along ``dim`` (an all_gather)."""
     front = tensor.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] * dist.get_world_size(group), *front.shape[1:]))
     _ALL_GATHER(out, front, group=group)
     return out.movedim(0, dim).contiguous()  # one copy, which the next layer may keep
 
 
-def reduce_scatter_along(
-    tensor: torch.Tensor, dim: int, phase: str, group: Group = None
-) -> torch.Tensor:
+def reduce_scatter_along(tensor: torch.Tensor, dim: int, group: Group = None) -> torch.Tensor:
     """This rank's slice along ``dim`` of the ranks' summed ``tensor`` (a reduce_scatter)."""
     world = dist.get_world_size(group)
     if tensor.shape[dim] % world:
@@ -114,7 +86,7 @@ def reduce_scatter_along(
     return out.movedim(0, dim).contiguous()  # one copy, which the next layer may keep
 
 
-class _CopyToParallel(torch.autograd.Function):
+class CopyToParallel(torch.autograd.Function):
     """Copy in forward, all-reduce in backward: the f of Megatron-LM."""
 
     @staticmethod
@@ -124,15 +96,15 @@ class _CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_reduce(grad, "backward", ctx.group), None
+        return _all_reduce(grad, ctx.group), None
 
 
-class _ReduceFromParallel(torch.autograd.Function):
+class ReduceFromParallel(torch.autograd.Function):
     """All-reduce in forward, copy in backward: the g of Megatron-LM."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Group) -> torch.Tensor:
-        return _all_reduce(x, "forward", group)
+        return _all_reduce(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -145,11 +117,11 @@ class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return all_gather_along(x, dim, "forward", group)
+        return all_gather_along(x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return reduce_scatter_along(grad, ctx.dim, "backward", ctx.group), None, None
+        return reduce_scatter_along(grad, ctx.dim, ctx.group), None, None
 
 
 class _ReduceScatterToSequence(torch.autograd.Function):
@@ -158,11 +130,11 @@ class _ReduceScatterToSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return reduce_scatter_along(x, dim, "forward", group)
+        return reduce_scatter_along(x, dim, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return all_gather_along(grad, ctx.dim, "backward", ctx.group), None, None
+        return all_gather_along(grad, ctx.dim, ctx.group), None, None
 
 
 def copy_to_parallel(x: torch.Tensor, group: Group = None) -> torch.Tensor:
@@ -171,7 +143,7 @@ def copy_to_parallel(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     Every rank's part of the layer uses the whole ``x``, so ``x``'s gradient is the sum of each
     rank's contribution (Megatron-LM's f). ``group``: the tensor-parallel ranks (None: all).
     """
-    return _CopyToParallel.apply(x, group)
+    return CopyToParallel.apply(x, group)
 
 
 def reduce_from_parallel(x: torch.Tensor, group: Group = None) -> torch.Tensor:
@@ -180,7 +152,7 @@ def reduce_from_parallel(x: torch.Tensor, group: Group = None) -> torch.Tensor:
     Megatron-LM's g: each rank's row-parallel product is a partial sum of the output.
     ``group``: the tensor-parallel ranks (None: all).
     """
-    return _ReduceFromParallel.apply(x, group)
+    return ReduceFromParallel.apply(x, group)
 
 
 def gather_from_sequence(x: torch.Tensor, dim: int = 1, group: Group = None) -> torch.Tensor:
