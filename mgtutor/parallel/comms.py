@@ -20,9 +20,11 @@ Bytes, per call, on the rank that ran it:
   rank of the group, its own slice included) and receives every slice of its output but its
   own; an all-gather sends its input to each of the other N-1 ranks and receives theirs; a send
   sends its tensor, a receive receives it. An all-reduce, a reduce-scatter and a broadcast
-  follow the textbook ring (:func:`mgtutor.ring.bytes_sent_on_ring`, the planner's formula):
-  (N-1)/N of the buffer each way, twice for an all-reduce; a broadcast counts (N-1)/N on
-  average over the ranks. Other operators (a barrier, ``gather_``) count no bytes.
+  count the textbook ring's share (:func:`mgtutor.ring.bytes_sent_on_ring`, the planner's
+  formula), not what this rank's library did: (N-1)/N of the buffer each way, twice for an
+  all-reduce; a broadcast's (N-1)/N is the average over the ranks (on a ring the root sends the
+  whole buffer and the last rank none). Operators the planner has no formula for (a barrier,
+  ``reduce_``, ``gather_``, ``scatter_``) count no bytes, though a reduce or a gather moves some.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class Comm:
     """One call a rank made to a process group, as torch's dispatcher ran it.
 
     Example:
-        >>> Comm("all_reduce", "c10d.allreduce_", "1", 2, 4000, 2000, 2000, "backward")
+        >>> Comm("all_reduce", "c10d.allreduce_", "1", 2, 4000, 4000, 4000, "backward")
     """
 
     op: str  # the kind: "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send", ...
@@ -55,9 +57,12 @@ class Comm:
     group: str  # the process group's ``group_name`` ("" where a torch cannot tell it)
     group_size: int  # the group's number of ranks, N
     buffer: int  # bytes of the whole buffer (see the module)
-    sent: int  # bytes that leave this rank
-    received: int  # bytes that arrive from other ranks
-    phase: str  # "backward" while autograd's engine runs a node, else "forward"
+    sent: int  # bytes that leave this rank (a ring collective: the ring's share; see the module)
+    received: int  # bytes that arrive from other ranks (likewise)
+    # "backward" while autograd's engine runs a backward pass, hooks included, else "forward":
+    # calls made between passes (a pipeline schedule's gradient sends, made after backward()
+    # returns; an all-reduce of gradients after it) are "forward".
+    phase: str
     sent_to: tuple[int, ...] = ()  # an all-to-all's bytes to each rank of the group, own included
     received_from: tuple[int, ...] = ()  # an all-to-all's bytes from each rank, own included
 
@@ -121,18 +126,26 @@ def _group(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return None
     index = names.index("group_name")
     name = args[index] if index < len(args) else kwargs.get("group_name")
-    # torch._C's resolver is what the functional operators themselves call (2.4 to 2.15).
+    # torch._C's resolver is what the functional operators themselves call (read in 2.14.1).
     resolve = getattr(torch._C._distributed_c10d, "_resolve_process_group", None)
-    return resolve(name) if resolve is not None else None
+    if resolve is None:  # rather than count the call on the default group's size
+        raise RuntimeError(
+            f"record_comms: torch {torch.__version__} has no "
+            "torch._C._distributed_c10d._resolve_process_group, so the group of "
+            f"{func} cannot be told; record outside DTensor or use a newer torch"
+        )
+    return resolve(name)
 
 
 def _phase() -> str:
-    """``"backward"`` while autograd's engine runs a node, else ``"forward"``; ``"unknown"`` on a
-    torch without the private ``torch._C._current_autograd_node`` (2.4 to 2.15 have it)."""
-    current_node = getattr(torch._C, "_current_autograd_node", None)
-    if current_node is None:
+    """``"backward"`` while autograd's engine runs a backward pass (its nodes and the hooks it
+    calls, as FSDP2's gradient reduce-scatters), else ``"forward"``; ``"unknown"`` on a torch
+    without the private ``torch._C._current_graph_task_id`` (-1 outside a backward in 2.14.1,
+    whose ``utils/checkpoint.py`` calls it too)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    if task_id is None:
         return "unknown"
-    return "forward" if current_node() is None else "backward"
+    return "forward" if task_id() == -1 else "backward"
 
 
 def _slices(tensors: Any, splits: Any, size: int) -> tuple[int, ...]:

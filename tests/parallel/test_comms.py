@@ -32,9 +32,9 @@ def _worker() -> dict[str, Any]:
         whole = torch.empty(6 * WORLD, dtype=torch.float64)
         dist.all_gather_into_tensor(whole, torch.ones(6, dtype=torch.float64))
         dist.reduce_scatter_tensor(torch.empty(6, dtype=torch.float64), whole)
-        # rank r sends r + 1 rows to each rank: uneven slices, its own among them
-        send = [rank + 1] * WORLD
-        recv = [src + 1 for src in range(WORLD)]
+        # rank r sends r + d + 1 rows to rank d: every slice a different size, its own among them
+        send = [rank + dst + 1 for dst in range(WORLD)]
+        recv = [src + rank + 1 for src in range(WORLD)]
         rows = torch.ones(sum(send), 2, dtype=torch.float64)
         dist.all_to_all_single(
             torch.empty(sum(recv), 2, dtype=torch.float64),
@@ -48,6 +48,14 @@ def _worker() -> dict[str, Any]:
         request.wait()
         x = torch.ones(4, dtype=torch.float64, requires_grad=True)
         copy_to_parallel(x).sum().backward()  # an all-reduce in autograd's backward
+        y = torch.ones(2, dtype=torch.float64, requires_grad=True)
+        y.register_post_accumulate_grad_hook(lambda p: dist.all_reduce(p.grad))
+        # and one in a callback autograd runs after the pass's last node, as FSDP2 queues its
+        # final reduce-scatters (torch 2.14.1's fsdp/_fully_shard/_fsdp_state.py)
+        engine = torch.autograd.Variable._execution_engine
+        y.register_hook(lambda g: engine.queue_callback(lambda: dist.all_reduce(y.grad)))
+        (y * 2).sum().backward()
+        dist.all_reduce(y.grad)  # one after backward returned
         if rank < 2:
             out["pair"] = pair.group_name
             dist.all_reduce(torch.ones(6, dtype=torch.float64), group=pair)
@@ -79,7 +87,7 @@ def test_every_call_is_recorded_in_order_with_its_operator() -> None:
             ("send", "c10d.send"),
             ("recv", "c10d.recv_"),
         ]
-        assert len(ops) == (9 if rank < 2 else 8)
+        assert len(ops) == (12 if rank < 2 else 11)
 
 
 def test_ring_collectives_send_the_planners_bytes_of_the_whole_buffer() -> None:
@@ -99,10 +107,11 @@ def test_an_all_to_all_leaves_out_this_ranks_own_slice() -> None:
     row = 2 * F64
     for rank, got in enumerate(_run()):
         call = _by_op(got)["all_to_all"][0]
-        assert call.sent_to == ((rank + 1) * row,) * WORLD
-        assert call.received_from == tuple((src + 1) * row for src in range(WORLD))
-        assert call.sent == (rank + 1) * row * (WORLD - 1)  # not its own slice
-        assert call.received == sum((src + 1) * row for src in range(WORLD) if src != rank)
+        assert call.sent_to == tuple((rank + dst + 1) * row for dst in range(WORLD))
+        assert call.received_from == tuple((src + rank + 1) * row for src in range(WORLD))
+        others = [r for r in range(WORLD) if r != rank]
+        assert call.sent == sum((rank + dst + 1) * row for dst in others)  # not its own slice
+        assert call.received == sum((src + rank + 1) * row for src in others)
 
 
 def test_a_send_sends_its_tensor_and_a_receive_sends_nothing() -> None:
@@ -125,8 +134,10 @@ def test_each_call_names_its_group_and_the_groups_size() -> None:
 
 def test_the_phase_tells_autograds_backward_from_forward() -> None:
     for got in _run():
+        # forward; copy_to_parallel's backward; a gradient hook's; autograd's final callback;
+        # after backward returned
         phases = [c.phase for c in _by_op(got)["all_reduce"]]
-        assert phases[:2] == ["forward", "backward"]
+        assert phases[:5] == ["forward", "backward", "backward", "backward", "forward"]
         assert {c.phase for c in got["comms"][:7]} == {"forward"}
 
 
