@@ -81,9 +81,21 @@ def tally(calls: Iterable[Comm], group: str = "dp") -> tuple[Collective, ...]:
     """Calls grouped by kind, group size and buffer, as the planner's collectives of ``group``.
 
     Receives are left out: the planner counts what a GPU sends, on the textbook ring from the
-    buffer (:func:`mgtutor.ring.bytes_sent_on_ring`), whatever the splits of an all-to-all.
+    buffer (:func:`mgtutor.ring.bytes_sent_on_ring`), whatever the splits of an all-to-all
+    (:attr:`Comm.sent` is what the rank sent).
+
+    Raises:
+        ValueError: the calls ran on more than one process group: ``group`` would label them
+            all; tally each group's calls apart.
     """
-    counted = Counter((c.op, c.group_size, c.buffer) for c in calls if c.op != "recv")
+    calls = [c for c in calls if c.op != "recv"]
+    ran_on = sorted({c.group for c in calls})
+    if len(ran_on) > 1:
+        raise ValueError(
+            f"tally: these calls ran on {len(ran_on)} process groups ({', '.join(ran_on)}), and "
+            f"would all be labelled {group!r}; tally each group's calls apart (Comm.group)"
+        )
+    counted = Counter((c.op, c.group_size, c.buffer) for c in calls)
     return _sorted(
         [
             Collective(name, group, size, nbytes, n, n * _sent(name, size, nbytes))

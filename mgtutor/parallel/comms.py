@@ -65,6 +65,7 @@ class Comm:
     phase: str
     sent_to: tuple[int, ...] = ()  # an all-to-all's bytes to each rank of the group, own included
     received_from: tuple[int, ...] = ()  # an all-to-all's bytes from each rank, own included
+    peer: int | None = None  # a send's destination or a receive's source, as a global rank
 
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
@@ -197,7 +198,14 @@ def _describe(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
         sent = received = bytes_sent_on_ring(op, size, buffer)
     else:
         sent = received = 0
-    return Comm(op, operator, label, size, buffer, sent, received, _phase(), sent_to, received_from)
+    peer = None
+    if operator in ("c10d.send", "c10d.recv_") and group is not None:
+        # (tensors, group, the peer's rank in the group, tag): the rank the message went to or
+        # came from, which a wrong pipeline wiring changes though no byte count does
+        peer = dist.get_global_rank(group, args[2])
+    return Comm(
+        op, operator, label, size, buffer, sent, received, _phase(), sent_to, received_from, peer
+    )
 
 
 def _dtensor_type() -> type | None:

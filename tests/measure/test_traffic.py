@@ -9,6 +9,7 @@ the same ranks and one on the default group check that each call names its own g
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 
@@ -128,6 +129,18 @@ def test_the_tally_sends_the_rings_bytes_of_each_buffer() -> None:
     assert sent("send", 2) == buffer
     assert sent("barrier", 2) == 0
     assert traffic.tally([_comm("recv", 2, buffer)]) == ()  # a receive sends nothing
+
+
+def test_the_tally_refuses_calls_of_two_groups_under_one_label() -> None:
+    # The label is the caller's word: calls of a dp group and a tp group of one size would be
+    # counted as one axis's, which no count could catch.
+    one, other = (
+        _comm("all_reduce", 2, 8),
+        dataclasses.replace(_comm("all_reduce", 2, 8), group="h"),
+    )
+    assert traffic.tally([one, one])[0].calls == 2
+    with pytest.raises(ValueError, match=r"ran on 2 process groups \(g, h\)"):
+        traffic.tally([one, other], "tp")
 
 
 def test_each_call_names_the_group_it_went_to(ranks) -> None:

@@ -119,6 +119,10 @@ def test_a_send_sends_its_tensor_and_a_receive_sends_nothing() -> None:
         send, recv = _by_op(got)["send"][0], _by_op(got)["recv"][0]
         assert (send.sent, send.received, send.buffer) == (5 * F64, 0, 5 * F64)
         assert (recv.sent, recv.received, recv.buffer) == (0, 5 * F64, 5 * F64)
+    for rank, got in enumerate(_run()):  # each to its right neighbour, each from its left
+        send, recv = _by_op(got)["send"][0], _by_op(got)["recv"][0]
+        assert (send.peer, recv.peer) == ((rank + 1) % WORLD, (rank - 1) % WORLD)
+        assert _by_op(got)["all_reduce"][0].peer is None
 
 
 def test_each_call_names_its_group_and_the_groups_size() -> None:
