@@ -6,9 +6,9 @@ DDP's reducer from C++, FSDP2, sends and receives, DTensor's functional collecti
 ``_c10d_functional.*``), in forward and in autograd's backward, and writes each down as a
 :class:`Comm`. An operator on DTensors is handed to DTensor first, as torch's ``CommDebugMode``
 does, so the collectives it runs on the local tensors to redistribute its inputs are seen one
-by one. A dispatch mode holds for the thread that enters it (on CPU, autograd runs backward on
-that thread). It is one way to count, not to time: every tensor operation of the block passes
-through Python.
+by one. A dispatch mode holds for the thread that enters it, and autograd carries it to the
+threads that run backward (torch's ``ThreadLocalState``). It is one way to count, not to time:
+every tensor operation of the block passes through Python.
 
 Bytes, per call, on the rank that ran it:
 
@@ -101,7 +101,9 @@ def by_kind(counted: Iterable[Any] | Mapping[Any, int]) -> dict[str, int]:
 
 
 def comm_counts(comms: Iterable[Comm]) -> dict[str, int]:
-    """Calls by operator (``{"c10d.allreduce_": 2}``), as ``CommDebugMode.get_comm_counts``."""
+    """Calls by operator name (``{"c10d.allreduce_": 2}``). torch's ``CommDebugMode`` keys its
+    counts by operator object and counts no send, receive or barrier: compare the two with
+    :func:`by_kind`."""
     return dict(Counter(c.operator for c in comms))
 
 

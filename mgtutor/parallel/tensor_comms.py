@@ -1,4 +1,4 @@
-"""The collectives of tensor and sequence parallelism, as autograd functions, and their counter.
+"""The collectives of tensor and sequence parallelism, as autograd functions.
 
 A layer split across ranks must communicate where its forward needs what other ranks hold,
 and autograd must communicate the conjugate collective in backward. Megatron-LM (Shoeybi et al.,
