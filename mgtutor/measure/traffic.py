@@ -3,9 +3,10 @@
 :func:`mgtutor.plan.planner.plan` writes down the ZeRO paper's communication per step. This
 module checks it on CPU ranks and says where torch 2.14 does something else:
 
-* :func:`record_collectives` writes down, inside a rank, every call that reaches a process
-  group (name, the group's size and name, bytes of the whole buffer); :func:`tally` groups
-  them as the planner's :class:`~mgtutor.plan.planner.Collective`, with the bytes one GPU sends.
+* :func:`mgtutor.parallel.comms.record_comms` writes down, inside a rank, every call that
+  reaches a process group as a :class:`~mgtutor.parallel.comms.Comm` (kind, the group's size
+  and name, bytes of the whole buffer); :func:`tally` groups them as the planner's
+  :class:`~mgtutor.plan.planner.Collective`, with the bytes one GPU sends.
 * :func:`build` makes the modules a :class:`~mgtutor.plan.shape.Transformer` describes
   (an embedding, then one :class:`mgtutor.parallel.tensor.Block` per layer), so the ranks run
   the very parameter count the planner plans.
@@ -20,12 +21,11 @@ module checks it on CPU ranks and says where torch 2.14 does something else:
 * :func:`count_steps` records a few steps of each strategy inside a rank; :func:`totals` sums
   collectives by name, to set torch's pattern beside the paper's.
 
-How calls are counted: a ``TorchDispatchMode`` sees every ``c10d`` operator, which every
-``ProcessGroup`` call goes through, whoever makes it (DDP's reducer from C++, FSDP2,
-``ZeroRedundancyOptimizer``, the pipeline schedules, point-to-point sends). Wrapping
-``torch.distributed``'s Python functions misses the reducer and depends on which of two names a
-library calls; Flight Recorder on gloo misses ``send`` and ``recv``. A dispatch mode holds for
-the thread that enters it (on CPU, autograd runs backward on that thread).
+How calls are counted (:mod:`mgtutor.parallel.comms`): a ``TorchDispatchMode`` sees every
+``c10d`` operator, which every ``ProcessGroup`` call goes through, whoever makes it (DDP's
+reducer from C++, FSDP2, ``ZeroRedundancyOptimizer``, the pipeline schedules, point-to-point
+sends). Wrapping ``torch.distributed``'s Python functions misses the reducer and depends on
+which of two names a library calls; Flight Recorder on gloo misses ``send`` and ``recv``.
 
 The bytes a GPU sends per call follow the textbook ring on N ranks, the planner's formula
 (:func:`mgtutor.ring.bytes_sent_on_ring`; the two can disagree on the calls and their buffers):
@@ -43,146 +43,59 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import Counter
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mgtutor.measure.written import SocketWrites, bytes_written
+from mgtutor.parallel.comms import Comm, record_comms
 from mgtutor.parallel.tensor import Block
 from mgtutor.plan.planner import Collective
 from mgtutor.plan.shape import Transformer
 from mgtutor.ring import RING_PASSES, bytes_sent_on_ring
 
 __all__ = [
-    "Call",
     "SocketWrites",
     "build",
     "bytes_written",
     "count_steps",
-    "record_collectives",
     "tally",
     "torch_collectives",
     "totals",
 ]
 
-# c10d operators (``torch.ops.c10d``) by the name the planner uses; others keep their own.
-_NAMES = {
-    "allreduce_": "all_reduce",
-    "allreduce_coalesced_": "all_reduce",
-    "broadcast_": "broadcast",
-    "_allgather_base_": "all_gather",
-    "allgather_": "all_gather",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_": "reduce_scatter",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "alltoall_base_": "all_to_all",
-    "alltoall_": "all_to_all",
-    "send": "send",
-    "recv_": "recv",
-    "recv_any_source_": "recv",
-}
-
 
 def _sent(name: str, size: int, nbytes: int) -> int:
+    """The planner's bytes sent: the ring's share of the buffer, a send's tensor."""
     if name == "send":
         return nbytes
     return bytes_sent_on_ring(name, size, nbytes) if name in RING_PASSES else 0
-
-
-@dataclass(frozen=True)
-class Call:
-    """One call a rank made to a process group.
-
-    ``nbytes`` is the whole buffer (an all-reduce's or a broadcast's tensor, an all-gather's
-    output, a reduce-scatter's input, a send's tensor), the planner's convention; ``size`` is
-    the group's number of ranks; ``op`` the c10d operator (``_allgather_base_``). Operators
-    the planner has no name for (``barrier``, ``gather_``) keep their own and count no bytes
-    sent. ``group`` is the process group's ``group_name``, which tells apart groups of one size
-    (a layout's dp, tp and pp groups: compare with ``groups.dp_group.group_name``).
-    """
-
-    name: str
-    size: int
-    nbytes: int
-    op: str
-    group: str = ""
-
-    @property
-    def sent_bytes(self) -> int:
-        """Bytes one GPU sends for this call on a ring of :attr:`size` GPUs (see the module)."""
-        return _sent(self.name, self.size, self.nbytes)
-
-
-def _nbytes(arg: Any) -> int:
-    if isinstance(arg, torch.Tensor):
-        return arg.nbytes
-    if isinstance(arg, (list, tuple)):
-        return sum(_nbytes(a) for a in arg)
-    return 0
-
-
-def _process_group(args: tuple[Any, ...]) -> Any:
-    import torch.distributed as dist
-
-    for arg in args:
-        if isinstance(arg, torch.ScriptObject):
-            try:
-                return dist.ProcessGroup.unbox(arg)
-            except RuntimeError:  # a ReduceOp, the other script object c10d operators take
-                continue
-    raise ValueError("a c10d operator without a process group: cannot tell its group's size")
-
-
-class _Recorder(TorchDispatchMode):
-    def __init__(self, calls: list[Call]) -> None:
-        super().__init__()
-        self.calls = calls
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "c10d":
-            op = func._schema.name.split("::")[-1]
-            # The largest tensor argument is the whole buffer: an all-gather's output, a
-            # reduce-scatter's input, the one tensor of the others.
-            nbytes = max(_nbytes(a) for a in (*args, *(kwargs or {}).values()))
-            group = _process_group(args)
-            name = _NAMES.get(op, op)
-            label = getattr(group, "group_name", "")  # "" where a torch lacks the property
-            self.calls.append(Call(name, group.size(), nbytes, op, label))
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def record_collectives() -> Iterator[list[Call]]:
-    """Inside a rank: every call to a process group made while the block runs, in order.
-
-    Every tensor operation of the block passes through Python while it runs: a way to count,
-    not to time.
-
-    Example:
-        >>> with record_collectives() as calls:
-        ...     ddp(x).sum().backward()
-        >>> [(c.name, c.nbytes) for c in calls]   # [("all_reduce", 5152)]
-    """
-    calls: list[Call] = []
-    with _Recorder(calls):
-        yield calls
 
 
 def _sorted(collectives: list[Collective]) -> tuple[Collective, ...]:
     return tuple(sorted(collectives, key=lambda c: (c.group, c.name, -c.buffer_bytes, c.size)))
 
 
-def tally(calls: list[Call], group: str = "dp") -> tuple[Collective, ...]:
-    """Calls grouped by name, group size and buffer, as the planner's collectives of ``group``.
+def tally(calls: Iterable[Comm], group: str = "dp") -> tuple[Collective, ...]:
+    """Calls grouped by kind, group size and buffer, as the planner's collectives of ``group``.
 
-    Receives are left out: the planner counts what a GPU sends.
+    Receives are left out: the planner counts what a GPU sends, on the textbook ring from the
+    buffer (:func:`mgtutor.ring.bytes_sent_on_ring`), whatever the splits of an all-to-all
+    (:attr:`Comm.sent` is what the rank sent).
+
+    Raises:
+        ValueError: the calls ran on more than one process group: ``group`` would label them
+            all; tally each group's calls apart.
     """
-    counted = Counter((c.name, c.size, c.nbytes) for c in calls if c.name != "recv")
+    calls = [c for c in calls if c.op != "recv"]
+    ran_on = sorted({c.group for c in calls})
+    if len(ran_on) > 1:
+        raise ValueError(
+            f"tally: these calls ran on {len(ran_on)} process groups ({', '.join(ran_on)}), and "
+            f"would all be labelled {group!r}; tally each group's calls apart (Comm.group)"
+        )
+    counted = Counter((c.op, c.group_size, c.buffer) for c in calls)
     return _sorted(
         [
             Collective(name, group, size, nbytes, n, n * _sent(name, size, nbytes))
@@ -299,7 +212,7 @@ def _inputs(model: Transformer, batch: int, seed: int) -> torch.Tensor:
 
 def count_steps(
     strategy: str, model: Transformer, *, steps: int = 3, micro_batches: int = 1
-) -> list[list[Call]]:
+) -> list[list[Comm]]:
     """Inside a rank: train :func:`build`'s model a few steps and record each step's calls.
 
     The model stays on the CPU (gloo ranks); every rank of the default process group takes
@@ -320,7 +233,7 @@ def count_steps(
         micro_batches: passes per step.
 
     Returns:
-        Per step, the calls this rank made (:func:`record_collectives`).
+        Per step, the calls this rank made (:func:`mgtutor.parallel.comms.record_comms`).
     """
     import torch.distributed as dist
 
@@ -355,7 +268,7 @@ def count_steps(
         raise ValueError(f"unknown strategy {strategy!r}: ddp, zero1, zero2, zero3 or pp")
     recorded = []
     for step in range(steps):
-        with record_collectives() as calls:
+        with record_comms() as calls:
             for i in range(micro_batches):
                 # DDP (ddp, zero1) all-reduces only at the last micro-batch; FSDP2 after each.
                 last = i == micro_batches - 1
@@ -372,7 +285,7 @@ def count_steps(
 
 def _pipeline_steps(
     modules: nn.Sequential, model: Transformer, rank: int, steps: int, micro_batches: int
-) -> list[list[Call]]:
+) -> list[list[Comm]]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from mgtutor.parallel.pipeline import split_stages
@@ -384,7 +297,7 @@ def _pipeline_steps(
     batch = micro_batches * model.micro_batch
     recorded = []
     for step in range(steps):
-        with record_collectives() as calls:
+        with record_comms() as calls:
             if rank == 0:
                 schedule.step(_inputs(model, batch, seed=step))
             else:

@@ -5,8 +5,11 @@
   parallel pieces take (``group=``), so the axes combine.
 * :mod:`.syncbn`: :class:`~.syncbn.SyncBatchNorm`, batch statistics over all ranks, also on CPU
   ranks (notebook 04).
+* :mod:`.comms`: one record of communication, :func:`~.comms.record_comms`: every collective,
+  send and receive a rank runs, with its group, its phase and the bytes it sends and receives
+  (every notebook that counts traffic, and the checks of the planner).
 * :mod:`.tensor_comms`: the autograd functions that carry tensor and sequence parallelism's
-  collectives (Megatron-LM's f and g, and the sequence pair), and a counter of collectives.
+  collectives (Megatron-LM's f and g, and the sequence pair).
 * :mod:`.tensor`: layers split across ranks from a one-process layer: column- and row-parallel
   linears, an MLP and attention split by heads, a block with or without sequence parallelism
   (notebook 13).

@@ -6,8 +6,8 @@ time, and each rank attends its queries to the block it holds. The partial resul
 blocks are combined exactly with their log-sum-exps (:func:`merge_partials`), so the output
 equals full attention. With a causal mask the contiguous split gives the last rank the most
 work; the zig-zag split (:func:`split_zigzag`) gives every rank the same.
-:func:`ulysses_attention` splits by head instead, and :class:`SentBytes` records what each
-design sends, as it runs.
+:func:`ulysses_attention` splits by head instead, and
+:func:`mgtutor.parallel.comms.record_comms` records what each design sends, as it runs.
 
 A rank's *layout* is the global positions of its rows: :func:`split_contiguous` and
 :func:`split_zigzag` give every rank's, and every rank passes all of them to
@@ -30,10 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
-    "SentBytes",
     "attention_with_lse",
     "merge_partials",
     "needed_block",
@@ -320,47 +318,3 @@ def ulysses_attention(
     recv = torch.empty_like(send.contiguous())  # recv[j]: this rank's tokens, rank j's heads
     dist.all_to_all_single(recv, send.contiguous(), group=group)
     return recv.transpose(0, 1).reshape(batch, heads, rows, dim)
-
-
-class SentBytes(TorchDispatchMode):
-    """Record the collectives run inside the block, with the bytes that leave this rank.
-
-    ``records`` holds ``(operator, bytes sent to other ranks, bytes of the buffer received)``
-    per call, read from the tensors the operator got and returned: ``dist.isend``/``irecv``
-    (``c10d.send``, ``c10d.recv_``), ``dist.all_to_all_single`` (``c10d.alltoall_base_``) and
-    torch's functional collectives (``_c10d_functional.*``, which torch's context parallelism
-    calls). An all-gather sends its input to each other rank; an all-to-all sends every slice
-    but this rank's own. An operator on DTensors is let through first, as torch's
-    ``CommDebugMode`` does, so the collectives DTensor runs to redistribute its inputs are
-    recorded too.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[tuple[str, int, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if any(getattr(t, "__name__", "") == "DTensor" for t in types):
-            return NotImplemented  # DTensor runs it and its collectives come back through here
-        result = func(*args, **(kwargs or {}))
-        name = f"{getattr(func, 'namespace', '')}.{getattr(func, '_opname', '')}"
-        rank, world = dist.get_rank(), dist.get_world_size()
-        if name == "c10d.send":
-            self.records.append((name, sum(t.nbytes for t in args[0]), 0))
-        elif name == "c10d.recv_":
-            self.records.append((name, 0, sum(t.nbytes for t in args[0])))
-        elif name == "_c10d_functional.all_gather_into_tensor":
-            self.records.append((name, args[0].nbytes * (world - 1), result.nbytes))
-        elif name == "_c10d_functional.all_to_all_single":
-            self.records.append((name, _split_bytes(args[0], args[2], rank), result.nbytes))
-        elif name == "c10d.alltoall_base_":
-            output, tensor, splits = args[0], args[1], args[3]
-            self.records.append((name, _split_bytes(tensor, splits, rank), output.nbytes))
-        return result
-
-
-def _split_bytes(tensor: Tensor, splits: list[int], rank: int) -> int:
-    """Bytes of ``tensor`` outside this rank's slice along dim 0 (equal slices if none given)."""
-    row = tensor.nbytes // max(tensor.shape[0], 1)
-    own = splits[rank] if splits else tensor.shape[0] // dist.get_world_size()
-    return tensor.nbytes - own * row

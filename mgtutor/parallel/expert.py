@@ -14,12 +14,11 @@ dispatch ``all_to_all(x, s, r)``  ``s[i]`` rows to rank i, ``r[i]``  combine-sha
 combine ``all_to_all(y, r, s)``   the results back to their ranks    dispatch-shaped
 ================================  =================================  ============================
 
-The backward of a dispatch is a combine-shaped all-to-all, and vice versa. Inside
-:func:`count_all_to_all` each exchange is written down with its phase and the bytes this rank
-sends to each rank (not the small exchange of per-expert counts before the dispatch, one int64
-per expert, which has no backward): the layer's own account of what it meant to send.
-:class:`AllToAllRecorder` is the measurement to check it against: it watches torch's dispatcher
-and keeps every ``all_to_all_single`` that ran, with the tensors it sent and received.
+The backward of a dispatch is a combine-shaped all-to-all, and vice versa.
+:func:`mgtutor.parallel.comms.record_comms` records each exchange that ran (the small exchange of
+per-expert counts before the dispatch, one int64 per expert, included), with its phase and the
+bytes it sent to and received from each rank (``sent_to``, ``received_from``); the layer keeps
+the rows that arrived (``ExpertParallelMoE.last["arrived"]``).
 :class:`MoE` is the one-process layer;
 :class:`ExpertParallelMoE` the same layer on ranks, built from it. Capacity is applied per
 group of tokens (a rank's tokens), first choices in token order, then second choices (as
@@ -29,98 +28,28 @@ transformer's residual connection carries it on).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-
-from mgtutor.parallel._tally import Tally
 
 __all__ = [
-    "AllToAllRecorder",
-    "Exchange",
-    "Ran",
     "ExpertParallelMoE",
     "MoE",
     "all_to_all",
     "capacity",
-    "count_all_to_all",
     "keep_within_capacity",
     "load_balancing_loss",
     "plan_dispatch",
 ]
 
 
-@dataclass(frozen=True)
-class Exchange:
-    """One all-to-all a rank ran: in which pass, and the bytes it sent to each rank."""
-
-    phase: str  # "forward" or "backward"
-    sent: tuple[int, ...]  # bytes to rank 0, 1, ...
-    received: tuple[int, ...]  # bytes from rank 0, 1, ...
-
-
-@dataclass(frozen=True)
-class Ran:
-    """One all-to-all as torch's dispatcher ran it: pass, bytes of the tensors, rows received."""
-
-    phase: str  # "forward", or "backward" inside autograd's backward ("unknown" if untold)
-    sent: int  # bytes of the input tensor
-    received: int  # bytes of the output tensor
-    rows: torch.Tensor  # the output tensor itself: what arrived, filled once the call returned
-
-
-class AllToAllRecorder(TorchDispatchMode):
-    """Keep every ``all_to_all_single`` run inside the block, as torch's dispatcher ran it.
-
-    ``torch.distributed.all_to_all_single`` reaches the operator ``c10d.alltoall_base_``
-    (output, input, ...); this mode sees each call with its real tensors, in forward and in
-    autograd's backward, whoever made it. ``calls`` lists them as :class:`Ran`, the small
-    exchange of counts included.
-
-    Example:
-        >>> with AllToAllRecorder() as recorder:
-        ...     y, aux = ExpertParallelMoE(moe)(x)
-        >>> [call.received for call in recorder.calls]
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[Ran] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        result = func(*args, **(kwargs or {}))
-        if "alltoall" in getattr(func, "_opname", ""):
-            output, inp = args[0], args[1]
-            phase = "forward"
-            task = getattr(torch._C, "_current_graph_task_id", None)  # private: -1 outside backward
-            if task is None:
-                phase = "unknown"  # a torch without it: the pass cannot be told
-            elif task() != -1:
-                phase = "backward"
-            self.calls.append(Ran(phase, inp.nbytes, output.nbytes, output))
-        return result
-
-
-_TALLY = Tally()
-
-
-def count_all_to_all() -> contextlib.AbstractContextManager[list[Exchange]]:
-    """Write down every :func:`all_to_all` run inside the block, forward and backward."""
-    return _TALLY.count()
-
-
-def _exchange(x: torch.Tensor, send: list[int], recv: list[int], phase: str) -> torch.Tensor:
+def _exchange(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
     x = x.contiguous()
-    row = math.prod(x.shape[1:]) * x.element_size()  # a rank may receive no rows at all
-    _TALLY.write(Exchange(phase, tuple(n * row for n in send), tuple(n * row for n in recv)))
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send)
     return out
@@ -132,11 +61,11 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         ctx.send, ctx.recv = send, recv
-        return _exchange(x, send, recv, "forward")
+        return _exchange(x, send, recv)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return _exchange(grad, ctx.recv, ctx.send, "backward"), None, None
+        return _exchange(grad, ctx.recv, ctx.send), None, None
 
 
 def all_to_all(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
@@ -289,7 +218,8 @@ class ExpertParallelMoE(nn.Module):
     rank's part: all-reduce it with a sum (DDP would average: right only if each rank's loss is
     scaled by the world size). ``plan`` replaces
     :func:`plan_dispatch` (notebook 16's exercise). ``last`` keeps the latest forward's counts
-    (``per_expert``, ``send``, ``recv``, ``dropped``) for inspection.
+    (``per_expert``, ``send``, ``recv``, ``dropped``) and the rows the dispatch brought
+    (``arrived``: source rank 0's first, each source's by expert) for inspection.
     """
 
     def __init__(self, moe: MoE, plan: Callable[..., Any] | None = None) -> None:
@@ -331,5 +261,6 @@ class ExpertParallelMoE(nn.Module):
             "send": send,
             "recv": recv,
             "dropped": int((~r["keep"]).sum()),
+            "arrived": received.detach(),
         }
         return y, load_balancing_loss(r["probs"], r["experts"])

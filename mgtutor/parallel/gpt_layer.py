@@ -177,13 +177,13 @@ class _GatherLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> Any:
         ctx.save_for_backward(x, weight)
-        return F.linear(all_gather_along(x, SEQUENCE_DIM, "forward"), weight, bias)
+        return F.linear(all_gather_along(x, SEQUENCE_DIM), weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
         x, weight = ctx.saved_tensors
-        whole = all_gather_along(x, SEQUENCE_DIM, "backward")
-        grad_x = reduce_scatter_along(grad @ weight, SEQUENCE_DIM, "backward")
+        whole = all_gather_along(x, SEQUENCE_DIM)
+        grad_x = reduce_scatter_along(grad @ weight, SEQUENCE_DIM)
         grad_weight = grad.flatten(0, -2).T @ whole.flatten(0, -2)
         return grad_x, grad_weight, grad.flatten(0, -2).sum(0)
 

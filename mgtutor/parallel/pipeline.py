@@ -10,7 +10,8 @@ Notebook 15 builds what ``torch.distributed.pipelining`` does and checks it agai
   and the bubble's formula; its names are importable from here too.
 * :func:`run_order` runs a stage's actions, timing each as an mgtutor phase;
   :class:`HeldMicroBatches` measures, while it runs, how many micro-batches' saved activations
-  are really still alive; :class:`P2PCounter` counts the sends and receives that ran.
+  are really still alive; :func:`mgtutor.parallel.comms.record_comms` records the sends and
+  receives that ran.
 
 Stage ``s`` runs on global rank ``ranks[s]``: by default ``s``, the default process group's
 ranks in order; inside a :class:`~.layout.Layout`, ``ranks=groups.pp_ranks``, this rank's
@@ -32,7 +33,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mgtutor.parallel.pipeline_orders import (
     Action,
@@ -48,7 +48,6 @@ from mgtutor.parallel.pipeline_orders import (
 __all__ = [
     "HandStage",
     "HeldMicroBatches",
-    "P2PCounter",
     "bubble_fraction",
     "gpipe_order",
     "max_in_flight",
@@ -257,28 +256,6 @@ class HeldMicroBatches:
         alive = sum(any(not ref.expired() for ref in refs) for refs in self._saved.values())
         self.peak = max(self.peak, alive)
         return alive
-
-
-class P2PCounter(TorchDispatchMode):
-    """Count the point-to-point messages torch's dispatcher runs inside the block, by anyone.
-
-    ``dist.send`` and ``isend`` reach the operator ``c10d.send``, ``recv`` and ``irecv``
-    ``c10d.recv_``, also inside torch's schedules' ``batch_isend_irecv``. ``counts`` maps each
-    operator to its calls; ``sent_bytes`` adds up the tensors sent.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {"send": 0, "recv_": 0}
-        self.sent_bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-        name = getattr(func, "_opname", "")
-        if getattr(func, "namespace", None) == "c10d" and name in self.counts:
-            self.counts[name] += 1
-            if name == "send":
-                self.sent_bytes += sum(t.nbytes for t in args[0])
-        return func(*args, **(kwargs or {}))
 
 
 def _no_phase(name: str) -> contextlib.AbstractContextManager[None]:

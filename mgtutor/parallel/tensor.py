@@ -42,7 +42,6 @@ from mgtutor.parallel.tensor_comms import (
     Group,
     copy_to_parallel,
     gather_from_sequence,
-    record_collective,
     reduce_from_parallel,
     reduce_scatter_to_sequence,
 )
@@ -269,8 +268,8 @@ def all_reduce_replicated_grads(modules: Any, group: Group = None) -> None:
     finalize_model_grads.py).
 
     Needed after backward under sequence parallelism only: each rank's norms and biases then saw
-    its share of the tokens, so each holds a partial gradient. One all-reduce of all of them,
-    written down by ``count_collectives`` as a backward collective; it runs after backward.
+    its share of the tokens, so each holds a partial gradient. One all-reduce of all of them; it
+    runs after backward, so :func:`~.comms.record_comms` records it in phase "forward".
 
     Args:
         modules: a :class:`ParallelBlock` or an iterable of them.
@@ -281,7 +280,6 @@ def all_reduce_replicated_grads(modules: Any, group: Group = None) -> None:
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
-    record_collective("all_reduce", "backward", flat.nbytes)
     dist.all_reduce(flat, group=group)
     for grad, summed in zip(grads, flat.split([g.numel() for g in grads])):
         grad.copy_(summed.view_as(grad))

@@ -9,6 +9,7 @@ the same ranks and one on the default group check that each call names its own g
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 
@@ -19,7 +20,7 @@ import mgtutor
 from mgtutor.build import torch_release
 from mgtutor.doctor.record import recorder_available
 from mgtutor.measure import traffic
-from mgtutor.measure.traffic import Call
+from mgtutor.parallel.comms import Comm, record_comms
 from mgtutor.plan.planner import plan
 from mgtutor.plan.shape import Transformer
 
@@ -71,7 +72,7 @@ def _record_on_two_groups() -> dict[str, object]:
 
     # The default group's ranks under another name: their size alone cannot tell them apart.
     sub = dist.new_group([0, 1])
-    with traffic.record_collectives() as calls:
+    with record_comms() as calls:
         dist.all_reduce(torch.ones(2), group=sub)
         dist.all_reduce(torch.ones(2))
     return {"calls": calls, "sub": sub.group_name, "default": dist.group.WORLD.group_name}
@@ -104,26 +105,48 @@ def ranks() -> list[dict]:
     return mgtutor.launch(_count_in_ranks, world_size=2, backend="gloo", timeout=120).results
 
 
-def _steps(ranks: list[dict], strategy: str) -> list[list[list[Call]]]:
+def _steps(ranks: list[dict], strategy: str) -> list[list[list[Comm]]]:
     if strategy in ranks[0]["missing"]:
         pytest.skip(f"torch {torch.__version__}: {ranks[0]['missing'][strategy]}")
     return [r[strategy] for r in ranks]
 
 
-def test_sent_bytes_follow_the_ring() -> None:
+def _comm(op: str, size: int, buffer: int) -> Comm:
+    # sent and received 0: the tally reads the buffer, not what the recorder counted
+    return Comm(op, f"c10d.{op}", "g", size, buffer, 0, 0, "forward")
+
+
+def test_the_tally_sends_the_rings_bytes_of_each_buffer() -> None:
     n, buffer = 4, 400
-    assert Call("all_reduce", n, buffer, "allreduce_").sent_bytes == 2 * 3 * buffer // 4
+
+    def sent(op: str, size: int = n) -> int:
+        (collective,) = traffic.tally([_comm(op, size, buffer)])
+        return collective.sent_bytes
+
+    assert sent("all_reduce") == 2 * 3 * buffer // 4
     for name in ("all_gather", "reduce_scatter", "broadcast", "all_to_all"):
-        assert Call(name, n, buffer, "").sent_bytes == 3 * buffer // 4, name
-    assert Call("send", 2, buffer, "send").sent_bytes == buffer
-    assert Call("recv", 2, buffer, "recv_").sent_bytes == 0
-    assert Call("barrier", 2, 4, "barrier").sent_bytes == 0
+        assert sent(name) == 3 * buffer // 4, name
+    assert sent("send", 2) == buffer
+    assert sent("barrier", 2) == 0
+    assert traffic.tally([_comm("recv", 2, buffer)]) == ()  # a receive sends nothing
+
+
+def test_the_tally_refuses_calls_of_two_groups_under_one_label() -> None:
+    # The label is the caller's word: calls of a dp group and a tp group of one size would be
+    # counted as one axis's, which no count could catch.
+    one, other = (
+        _comm("all_reduce", 2, 8),
+        dataclasses.replace(_comm("all_reduce", 2, 8), group="h"),
+    )
+    assert traffic.tally([one, one])[0].calls == 2
+    with pytest.raises(ValueError, match=r"ran on 2 process groups \(g, h\)"):
+        traffic.tally([one, other], "tp")
 
 
 def test_each_call_names_the_group_it_went_to(ranks) -> None:
     for recorded in (rank["groups"] for rank in ranks):
         assert recorded["sub"] != recorded["default"]
-        assert [(c.name, c.size, c.group) for c in recorded["calls"]] == [
+        assert [(c.op, c.group_size, c.group) for c in recorded["calls"]] == [
             ("all_reduce", 2, recorded["sub"]),
             ("all_reduce", 2, recorded["default"]),
         ]
@@ -159,7 +182,7 @@ def test_the_pipeline_sends_what_the_planner_plans(ranks) -> None:
     activation = SHAPE.micro_batch * SHAPE.seq_len * SHAPE.hidden * 4
     for steps in _steps(ranks, "pp"):  # rank 0 sends activations, rank 1 their gradients
         assert traffic.tally(steps[-1], "pp") == pp
-        received = [c.nbytes for c in steps[-1] if c.name == "recv"]
+        received = [c.buffer for c in steps[-1] if c.op == "recv"]
         assert received == [activation] * MICRO["pp"]
 
 
@@ -201,7 +224,7 @@ def test_ddps_second_step_broadcasts_its_rebuilt_buckets(ranks) -> None:
         extra = [c for c in steps[1] if c not in steps[2]]
         # Reducer::sync_bucket_indices: int32 indices of every parameter plus the bucket
         # count, then each bucket's size (one bucket here), broadcast from rank 0.
-        assert [(c.name, c.nbytes) for c in extra] == [
+        assert [(c.op, c.buffer) for c in extra] == [
             ("broadcast", 4 * (tensors + 1)),
             ("broadcast", 4),
         ]
@@ -211,6 +234,10 @@ def test_the_pipelines_first_step_exchanges_shapes(ranks) -> None:
     for steps in _steps(ranks, "pp"):
         assert traffic.tally(steps[1], "pp") == traffic.tally(steps[2], "pp")
         assert len(steps[0]) > len(steps[1])
+
+
+def _opname(comm: Comm) -> str:
+    return comm.operator.split(".", 1)[1]  # "c10d.allreduce_": "allreduce_"
 
 
 def test_flight_recorder_sees_the_same_collectives_and_gloos_reduce_scatter_all_reduces(ranks):
@@ -223,17 +250,17 @@ def test_flight_recorder_sees_the_same_collectives_and_gloos_reduce_scatter_all_
         for rank in ranks:
             if strategy in rank["missing"]:
                 continue
-            calls = [c for step in rank[strategy] for c in step if c.name not in ("send", "recv")]
+            calls = [c for step in rank[strategy] for c in step if c.op not in ("send", "recv")]
             entries = rank[strategy, "gloo"][len(rank[strategy, "gloo"]) - len(calls) :]
-            assert [name for name, _ in entries] == [gloo[c.op] for c in calls], strategy
+            assert [name for name, _ in entries] == [gloo[_opname(c)] for c in calls], strategy
             # gloo records an all-gather's input (one shard of 2), the others' whole buffer.
-            shards = [2 if c.op == "_allgather_base_" else 1 for c in calls]
-            assert [b * n for (_, b), n in zip(entries, shards)] == [c.nbytes for c in calls]
+            shards = [2 if _opname(c) == "_allgather_base_" else 1 for c in calls]
+            assert [b * n for (_, b), n in zip(entries, shards)] == [c.buffer for c in calls]
     if "pp" not in ranks[0]["missing"]:
         # gloo's recorder keeps no send or recv: only the pipeline's collectives (none up to
         # torch 2.14; 2.15's schedules add two all-reduces at the first step, setting up p2p).
         for rank in ranks:
-            collectives = [c for step in rank["pp"] for c in step if c.name not in ("send", "recv")]
+            collectives = [c for step in rank["pp"] for c in step if c.op not in ("send", "recv")]
             assert len(rank["pp", "gloo"]) == len(collectives)
 
 

@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import mgtutor
 from mgtutor.parallel import context
+from mgtutor.parallel.comms import Comm, record_comms
 
 SHAPE = (2, 3, 24, 8)  # batch, heads, sequence, head dimension: 24 divides by 2 x 3 ranks
 LAYOUTS = {"contiguous": context.split_contiguous, "zigzag": context.split_zigzag}
@@ -187,16 +188,16 @@ def _ring_worker(shape: tuple[int, ...]) -> dict[Any, Any]:
     results["received"] = received
     local = [t[..., mine, :].clone().requires_grad_() for t in (q, k, v)]
     out = context.ring_attention(*local, layout, causal=False)
-    with _Order() as order, context.SentBytes() as sent:
+    with _Order() as order, record_comms() as sent:
         out.sum().backward()
-    results["backward"] = {"order": order.names, "sent": [b for _, b, _ in sent.records if b]}
+    results["backward"] = {"order": order.names, "sent": [c.sent for c in sent if c.sent]}
     # Ulysses and the bytes each design sends, recorded as they run.
-    with context.SentBytes() as ring_bytes:
+    with record_comms() as ring_bytes:
         context.ring_attention(*[t[..., mine, :] for t in (q, k, v)], layout, causal=True)
-    with context.SentBytes() as ulysses_bytes:
+    with record_comms() as ulysses_bytes:
         ulysses = context.ulysses_attention(*[t[..., mine, :] for t in (q, k, v)], layout)
     results["ulysses"] = {"rows": mine, "out": ulysses}
-    results["bytes"] = {"ring": ring_bytes.records, "ulysses": ulysses_bytes.records}
+    results["bytes"] = {"ring": _records(ring_bytes), "ulysses": _records(ulysses_bytes)}
     try:
         context.ulysses_attention(*[t[..., :2, mine, :] for t in (q, k, v)], layout)
     except ValueError as error:
@@ -290,6 +291,10 @@ def test_ring_over_a_subgroup_uses_global_ranks() -> None:
 # --- torch's context_parallel on CPU ranks ---------------------------------------------------
 
 
+def _records(comms: list[Comm]) -> list[tuple[str, int, int]]:
+    return [(c.operator, c.sent, c.received) for c in comms]
+
+
 def _torch_context_parallel_on_cpu(causal: bool) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
@@ -306,14 +311,14 @@ def _torch_context_parallel_on_cpu(causal: bool) -> dict[str, Any]:
         try:
             with context_parallel(mesh, buffers=[q, k, v, positions], buffer_seq_dims=[2, 2, 2, 1]):
                 mine = positions[0].clone()
-                with context.SentBytes() as sent:
+                with record_comms() as sent:
                     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         except (NotImplementedError, RuntimeError, TypeError):
             return {"raised": True}
     return {
         "rows": mine.tolist(),
         "equal": torch.allclose(out, full[..., mine, :]),
-        "sent": sent.records,
+        "sent": _records(sent),
         "block": out.nbytes,
     }
 
@@ -335,7 +340,8 @@ def test_torchs_context_parallel_on_cpu_gathers_k_and_v_for_unmasked_attention()
     for rank, r in enumerate(unmasked.results):
         assert r["rows"] == context.split_zigzag(8, 2)[rank].tolist()  # head-tail, mask or not
         assert r["equal"]
-        gather = ("_c10d_functional.all_gather_into_tensor", r["block"], 2 * r["block"])
+        # each rank sends its block to the other and receives the other's: its own stays
+        gather = ("_c10d_functional.all_gather_into_tensor", r["block"], r["block"])
         assert r["sent"] == [gather, gather]
     causal = mgtutor.launch(_torch_context_parallel_on_cpu, True, world_size=2, backend="gloo")
     assert causal.results == [{"raised": True}] * 2

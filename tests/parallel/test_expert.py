@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import mgtutor
 from mgtutor.parallel import expert
+from mgtutor.parallel.comms import record_comms
 
 DIM, HIDDEN, EXPERTS, K, TOKENS, WORLD = 8, 16, 4, 2, 12, 2  # TOKENS per rank
 
@@ -91,7 +92,7 @@ def _worker(capacity_factor: float | None, starved: bool) -> dict[str, Any]:
         p.grad.clone() for p in moe.experts[first : first + EXPERTS // WORLD].parameters()
     ]
     moe.zero_grad()
-    with expert.AllToAllRecorder() as recorder, expert.count_all_to_all() as log:
+    with record_comms() as comms:
         y_mine, aux_mine = ep(x_mine)
         ((y_mine * grad_y[mine]).sum() + aux_mine / WORLD).backward()
     router_grad = moe.router.weight.grad.clone()
@@ -108,9 +109,11 @@ def _worker(capacity_factor: float | None, starved: bool) -> dict[str, Any]:
         "expert_grads": all(
             torch.allclose(p.grad, q) for p, q in zip(ep.experts.parameters(), reference_experts)
         ),
-        "log": log,
-        "ran": [(call.phase, call.sent, call.received) for call in recorder.calls],
-        "arrived": recorder.calls[1].rows,
+        "log": [(c.phase, c.sent_to, c.received_from) for c in comms if c.op == "all_to_all"],
+        "sent": [(c.sent, c.received) for c in comms],
+        "groups": {(c.group, c.group_size) for c in comms},
+        "world": dist.group.WORLD.group_name,
+        "arrived": ep.last["arrived"],
         "last": ep.last,
         "experts": r["experts"],
         "keep": r["keep"],
@@ -161,7 +164,8 @@ def test_the_backward_of_a_dispatch_is_a_combine_shaped_all_to_all() -> None:
         got = rank[0]
         send = tuple(n * row for n in got["last"]["send"])
         recv = tuple(n * row for n in got["last"]["recv"])
-        assert [(e.phase, e.sent, e.received) for e in got["log"]] == [
+        assert got["log"] == [
+            ("forward", (EXPERTS // WORLD * 8,) * WORLD, (EXPERTS // WORLD * 8,) * WORLD),  # counts
             ("forward", send, recv),  # dispatch
             ("forward", recv, send),  # combine
             ("backward", send, recv),  # combine's backward: dispatch-shaped
@@ -170,9 +174,26 @@ def test_the_backward_of_a_dispatch_is_a_combine_shaped_all_to_all() -> None:
 
 
 @pytest.mark.parametrize("case", [0, 1, 2])
-def test_the_recorder_keeps_every_all_to_all_that_ran_with_the_rows_that_arrived(case: int) -> None:
-    moe, x = _layer_and_tokens(*CONFIGS[case])
+def test_an_all_to_all_sends_and_receives_all_but_this_ranks_own_slice(case: int) -> None:
     row = DIM * 8  # float64
+    for rank, got in enumerate(r[case] for r in _run()):
+        send, recv = got["last"]["send"], got["last"]["recv"]
+        sent = row * (sum(send) - send[rank])  # this rank's own rows never leave it
+        received = row * (sum(recv) - recv[rank])
+        counts = EXPERTS // WORLD * 8 * (WORLD - 1)  # one int64 per expert of each other rank
+        assert got["sent"] == [
+            (counts, counts),
+            (sent, received),  # dispatch
+            (received, sent),  # combine
+            (sent, received),  # combine's backward
+            (received, sent),  # dispatch's backward
+        ]
+        assert got["groups"] == {(got["world"], WORLD)}
+
+
+@pytest.mark.parametrize("case", [0, 1, 2])
+def test_the_layer_keeps_the_rows_that_arrived_the_other_ranks_kept_tokens(case: int) -> None:
+    moe, x = _layer_and_tokens(*CONFIGS[case])
     for rank, got in enumerate(r[case] for r in _run()):
         expected = []  # each source rank's kept tokens for this rank's experts, by expert
         for src in range(WORLD):
@@ -181,14 +202,6 @@ def test_the_recorder_keeps_every_all_to_all_that_ran_with_the_rows_that_arrived
                 tokens, _ = ((r["experts"] == e) & r["keep"]).nonzero(as_tuple=True)
                 expected.append(x[src * TOKENS + tokens])
         assert torch.equal(got["arrived"], torch.cat(expected))
-        sent, received = row * sum(got["last"]["send"]), row * sum(got["last"]["recv"])
-        assert got["ran"] == [
-            ("forward", EXPERTS * 8, EXPERTS * 8),  # the counts, int64
-            ("forward", sent, received),  # dispatch
-            ("forward", received, sent),  # combine
-            ("backward", sent, received),  # combine's backward
-            ("backward", received, sent),  # dispatch's backward
-        ]
 
 
 def test_capacity_one_drops_exactly_the_assignments_past_each_experts_capacity() -> None:

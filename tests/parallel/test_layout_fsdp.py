@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 import mgtutor
-from mgtutor.measure.traffic import Call, record_collectives
 from mgtutor.parallel import tensor as tp
+from mgtutor.parallel.comms import Comm, record_comms
 from mgtutor.parallel.layout import Layout, build_groups
 from mgtutor.plan.planner import Plan, plan
 from mgtutor.plan.shape import Transformer
@@ -77,7 +77,7 @@ def _one_step(block: tp.Block, x: torch.Tensor, groups, shard_over: str) -> dict
     fully_shard(parallel, mesh=mesh)
     root = fully_shard(nn.Sequential(parallel), mesh=mesh)
     mine = x.chunk(LAYOUT.dp, 0)[groups.dp_rank]  # this replica's half of the batch
-    with record_collectives() as calls:
+    with record_comms() as calls:
         loss = root(mine).pow(2).sum() / mine.numel()
         loss.backward()
     for sharded, whole_shard in zip(parallel.parameters(), unsharded.parameters()):
@@ -128,14 +128,14 @@ def _planned(zero: int) -> Plan:
     return plan(shape, LAYOUT.world_size, 10**9, layout=LAYOUT, zero=zero, precision="fp32")
 
 
-def _differences(calls: list[tuple[str, Call]], planned: Plan) -> list[str]:
+def _differences(calls: list[tuple[str, Comm]], planned: Plan) -> list[str]:
     """Per axis, where one rank's calls and the plan's differ: (name, ranks, calls, elements)."""
     wrong = []
     for axis in ("dp", "tp", "other"):
         ran: dict[tuple[str, int, int], int] = {}
         for where, c in calls:
             if where == axis:
-                key = (c.name, c.size, c.nbytes // RUN_BYTES)
+                key = (c.op, c.group_size, c.buffer // RUN_BYTES)
                 ran[key] = ran.get(key, 0) + 1
         want = {
             (c.name, c.size, c.buffer_bytes // PLAN_BYTES): c.calls
@@ -177,6 +177,6 @@ def test_each_rank_holds_the_planned_parameters(measured) -> None:
 def test_each_axis_sends_what_the_plan_says(measured) -> None:
     planned = _planned(3)
     for rank, result in enumerate(measured):
-        dp_calls = {c.name for where, c in result["dp"]["calls"] if where == "dp"}
+        dp_calls = {c.op for where, c in result["dp"]["calls"] if where == "dp"}
         assert dp_calls == {"all_gather", "reduce_scatter"}, f"rank {rank}"
         assert _differences(result["dp"]["calls"], planned) == [], f"rank {rank}"

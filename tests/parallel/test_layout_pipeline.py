@@ -10,7 +10,7 @@ over the dp group by hand. In float64 the loss and every gradient of each stage'
 equal one process on the whole batch. The same launch averages over tp instead of dp, which must
 miss, and asks for a stage on the default ranks (``stage ± 1``), which must be refused.
 
-The same step is recorded (:func:`mgtutor.measure.traffic.record_collectives`, each call's
+The same step is recorded (:func:`mgtutor.parallel.comms.record_comms`, each call's
 process group told by its name) and set beside :func:`mgtutor.plan.planner.plan` for the same
 layout and a :class:`~mgtutor.plan.shape.Transformer` of the tiny model's shape, axis by axis.
 Where the hand run and the planner's model differ by design, what is comparable is compared:
@@ -41,8 +41,9 @@ import torch.distributed as dist
 from torch import nn
 
 import mgtutor
-from mgtutor.measure.traffic import record_collectives, totals
+from mgtutor.measure.traffic import totals
 from mgtutor.parallel import tensor as tp
+from mgtutor.parallel.comms import record_comms
 from mgtutor.parallel.layout import AXES, Layout, build_groups
 from mgtutor.parallel.pipeline import HandStage, gpipe_order, run_order
 from mgtutor.plan.planner import Plan, plan
@@ -84,7 +85,7 @@ def _one_step(model, x, y, groups, average_over: str) -> dict[str, Any]:
     stage = HandStage(
         block, groups.pp_rank, layout.pp, shape, torch.float64, loss_fn, ranks=groups.pp_ranks
     )
-    with record_collectives() as calls:
+    with record_comms() as calls:
         run_order(stage, gpipe_order(N_MICRO), mine.chunk(N_MICRO), targets.chunk(N_MICRO))
         average = getattr(groups, f"{average_over}_group")
         for p in block.parameters():
@@ -92,9 +93,9 @@ def _one_step(model, x, y, groups, average_over: str) -> dict[str, Any]:
             p.grad /= layout.dp
     axis_of = {getattr(groups, f"{axis}_group").group_name: axis for axis in AXES}
     by_axis = [
-        (axis_of.get(c.group, "pp" if c.name == "send" else "default"), c)
+        (axis_of.get(c.group, "pp" if c.op == "send" else "default"), c)
         for c in calls
-        if c.name != "recv" and c.size > 1
+        if c.op != "recv" and c.group_size > 1
     ]
     loss = None
     if stage.is_last:
@@ -183,7 +184,7 @@ def _differences(calls: list, planned: Plan) -> list[str]:
     wrong = []
     for axis in ("dp", "tp", "pp", "default"):
         ran = [c for where, c in calls if where == axis]
-        got = (len(ran), sum(c.nbytes for c in ran), sum(c.sent_bytes for c in ran))
+        got = (len(ran), sum(c.buffer for c in ran), sum(c.sent for c in ran))
         got = (got[0], got[1] // RUN_BYTES, got[2] // RUN_BYTES)
         summed = totals(c for c in planned.collectives if c.group == axis).values()
         want = tuple(sum(t[i] for t in summed) for i in range(3))

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import mgtutor
-from mgtutor.measure.traffic import record_collectives
+from mgtutor.parallel.comms import record_comms
 from mgtutor.parallel.lowcomm import average_, ring_sent_bytes, slow_allreduce_hook
 
 DELAY = 2e-4  # seconds per byte: 800 bytes sent cost 0.16 s
@@ -26,7 +26,7 @@ def _ranks() -> dict[str, Any]:
     mgtutor.setup()
     rank = dist.get_rank()
     tensors = [torch.full((3,), float(rank)), torch.full((2, 2), 10.0 * rank)]
-    with record_collectives() as calls:
+    with record_comms() as calls:
         nbytes = average_(tensors)
     start = time.perf_counter()
     average_([torch.zeros(200)], seconds_per_byte=DELAY)  # 800 bytes, all sent on 2 ranks
@@ -36,8 +36,13 @@ def _ranks() -> dict[str, Any]:
     model.register_comm_hook(None, slow_allreduce_hook(0.0))
     model(torch.full((2, 4), float(rank + 1))).sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
-    return {"tensors": tensors, "calls": [(c.name, c.nbytes) for c in calls], "nbytes": nbytes,
-            "slow": slow, "grads": grads}
+    return {
+        "tensors": tensors,
+        "calls": [(c.op, c.buffer) for c in calls],
+        "nbytes": nbytes,
+        "slow": slow,
+        "grads": grads,
+    }
 
 
 @functools.cache

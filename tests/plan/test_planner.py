@@ -123,13 +123,13 @@ def _collectives_in_ranks() -> dict:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from mgtutor.parallel.comms import record_comms
     from mgtutor.parallel.tensor import Block, ParallelBlock
-    from mgtutor.parallel.tensor_comms import count_collectives
 
     mgtutor.setup()
     torch.manual_seed(0)
     block = ParallelBlock(Block(dim=8, n_heads=2, hidden=16))
-    with count_collectives() as calls:
+    with record_comms() as calls:
         block(torch.randn(3, 4, 8)).sum().backward()
     sizes = []
 
@@ -140,7 +140,7 @@ def _collectives_in_ranks() -> dict:
     ddp = DDP(Block(dim=8, n_heads=2, hidden=16))
     ddp.register_comm_hook(None, hook)
     ddp(torch.randn(3, 4, 8)).sum().backward()
-    return {"tp": [(c.name, c.phase, c.nbytes) for c in calls], "ddp": sum(sizes)}
+    return {"tp": [(c.op, c.phase, c.buffer) for c in calls], "ddp": sum(sizes)}
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +207,7 @@ def _tp_collectives_in_ranks() -> dict:
 
     from mgtutor.measure import traffic
     from mgtutor.measure.activations import kept_for_backward
+    from mgtutor.parallel.comms import record_comms
     from mgtutor.parallel.gpt_layer import GPTLayer, ParallelGPTLayer
 
     mgtutor.setup()
@@ -224,7 +225,7 @@ def _tp_collectives_in_ranks() -> dict:
     out: dict = {}
     for name, (module, inputs) in variants.items():
         for recompute in ("none", "full"):
-            with traffic.record_collectives() as calls:
+            with record_comms() as calls:
                 if recompute == "full":
                     y = torch.utils.checkpoint.checkpoint(module, inputs, use_reentrant=False)
                 else:
