@@ -82,7 +82,8 @@ def tally(calls: Iterable[Comm], group: str = "dp") -> tuple[Collective, ...]:
 
     Receives are left out: the planner counts what a GPU sends, on the textbook ring from the
     buffer (:func:`mgtutor.ring.bytes_sent_on_ring`), whatever the splits of an all-to-all
-    (:attr:`Comm.sent` is what the rank sent).
+    (:attr:`Comm.sent` counts an all-to-all's real slices). ``group`` is the caller's label: it is
+    not compared with the calls' :attr:`Comm.group`.
 
     Raises:
         ValueError: the calls ran on more than one process group: ``group`` would label them

@@ -24,7 +24,8 @@ Bytes, per call, on the rank that ran it:
   formula), not what this rank's library did: (N-1)/N of the buffer each way, twice for an
   all-reduce; a broadcast's (N-1)/N is the average over the ranks (on a ring the root sends the
   whole buffer and the last rank none). Operators the planner has no formula for (a barrier,
-  ``reduce_``, ``gather_``, ``scatter_``) count no bytes, though a reduce or a gather moves some.
+  ``reduce_``, ``gather_``, ``scatter_``) count no bytes, though a reduce, a gather or a
+  scatter moves some.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ class Comm:
     phase: str
     sent_to: tuple[int, ...] = ()  # an all-to-all's bytes to each rank of the group, own included
     received_from: tuple[int, ...] = ()  # an all-to-all's bytes from each rank, own included
-    peer: int | None = None  # a send's destination or a receive's source, as a global rank
+    peer: int | None = None  # a send's destination or a receive's source, global (None: any)
 
 
 _NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")

@@ -26,6 +26,7 @@ def _worker() -> dict[str, Any]:
     mgtutor.setup(backend="gloo")
     rank = dist.get_rank()
     pair = dist.new_group([0, 1])  # every rank creates it; ranks 0 and 1 use it
+    tail = dist.new_group([1, 2])  # its group ranks are not the global ones: global 1 is its 0
     out: dict[str, Any] = {"world": dist.group.WORLD.group_name, "pair": ""}
     with record_comms() as comms:
         dist.all_reduce(torch.ones(6, dtype=torch.float64))
@@ -59,6 +60,11 @@ def _worker() -> dict[str, Any]:
         if rank < 2:
             out["pair"] = pair.group_name
             dist.all_reduce(torch.ones(6, dtype=torch.float64), group=pair)
+        if rank > 0:  # a send and a receive on the tail group, between global ranks 1 and 2
+            other = 3 - rank
+            request = dist.isend(torch.ones(2, dtype=torch.float64), dst=other, group=tail)
+            dist.recv(torch.empty(2, dtype=torch.float64), src=other, group=tail)
+            request.wait()
     out["comms"] = list(comms)
     return out
 
@@ -87,7 +93,7 @@ def test_every_call_is_recorded_in_order_with_its_operator() -> None:
             ("send", "c10d.send"),
             ("recv", "c10d.recv_"),
         ]
-        assert len(ops) == (12 if rank < 2 else 11)
+        assert len(ops) == {0: 12, 1: 14, 2: 13}[rank]
 
 
 def test_ring_collectives_send_the_planners_bytes_of_the_whole_buffer() -> None:
@@ -123,6 +129,9 @@ def test_a_send_sends_its_tensor_and_a_receive_sends_nothing() -> None:
         send, recv = _by_op(got)["send"][0], _by_op(got)["recv"][0]
         assert (send.peer, recv.peer) == ((rank + 1) % WORLD, (rank - 1) % WORLD)
         assert _by_op(got)["all_reduce"][0].peer is None
+        if rank > 0:  # on the tail group the operator gets the group rank; peer is global
+            send, recv = _by_op(got)["send"][1], _by_op(got)["recv"][1]
+            assert (send.peer, recv.peer, send.group_size) == (3 - rank, 3 - rank, 2)
 
 
 def test_each_call_names_its_group_and_the_groups_size() -> None:
