@@ -42,7 +42,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mgtutor.ring import RING_PASSES, bytes_sent_on_ring
 
-__all__ = ["Comm", "CommRecorder", "by_kind", "comm_counts", "kind_of", "record_comms"]
+__all__ = [
+    "Comm",
+    "CommRecorder",
+    "by_kind",
+    "comm_counts",
+    "in_backward",
+    "kind_of",
+    "record_comms",
+]
 
 
 @dataclass(frozen=True)
@@ -141,15 +149,19 @@ def _group(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return resolve(name)
 
 
-def _phase() -> str:
-    """``"backward"`` while autograd's engine runs a backward pass (its nodes and the hooks it
-    calls, as FSDP2's gradient reduce-scatters), else ``"forward"``; ``"unknown"`` on a torch
-    without the private ``torch._C._current_graph_task_id`` (-1 outside a backward in 2.14.1,
-    whose ``utils/checkpoint.py`` calls it too)."""
+def in_backward() -> bool | None:
+    """Whether autograd's engine runs a backward pass on this thread (its nodes and the hooks and
+    final callbacks it calls, as FSDP2's gradient reduce-scatters); None on a torch without the
+    private ``torch._C._current_graph_task_id`` (-1 outside a backward in 2.14.1, whose
+    ``utils/checkpoint.py`` reads it too)."""
     task_id = getattr(torch._C, "_current_graph_task_id", None)
-    if task_id is None:
-        return "unknown"
-    return "forward" if task_id() == -1 else "backward"
+    return None if task_id is None else task_id() != -1
+
+
+def _phase() -> str:
+    """``"backward"`` or ``"forward"`` by :func:`in_backward`; ``"unknown"`` if it cannot say."""
+    now = in_backward()
+    return "unknown" if now is None else ("backward" if now else "forward")
 
 
 def _slices(tensors: Any, splits: Any, size: int) -> tuple[int, ...]:

@@ -28,6 +28,8 @@ from collections.abc import Iterator
 
 import torch
 
+from mgtutor.parallel.comms import in_backward
+
 __all__ = ["TENSOR_PARALLEL_OFFSET", "RNGStatesTracker", "model_parallel_seed"]
 
 #: Megatron-LM's offset of the tensor-parallel seed from the default one ("2718 is just for fun").
@@ -76,7 +78,7 @@ class RNGStatesTracker:
                 the checkpoint was given :meth:`checkpoint_contexts`: the recomputation would
                 draw the state's next numbers, not the ones forward drew.
         """
-        if not self._replaying and _in_backward():
+        if not self._replaying and in_backward():  # a recomputation runs in backward
             raise RuntimeError(
                 "the tracked random state was forked during backward, as a checkpoint "
                 "recomputes: it would draw new dropout masks, not forward's. Pass "
@@ -123,14 +125,6 @@ class RNGStatesTracker:
                 self.state, self._replaying = found, self._replaying - 1
 
         return forward(), recompute()
-
-
-def _in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (a recomputation is)."""
-    # torch._C._current_graph_task_id is private: -1 outside a backward in torch 2.11 to 2.15
-    # (autograd/graph.py reads it so); without it, nothing is detected.
-    task_id = getattr(torch._C, "_current_graph_task_id", None)
-    return task_id is not None and task_id() != -1
 
 
 def model_parallel_seed(
