@@ -222,14 +222,12 @@ class Supervisor(RankWatch):
     ) -> None:
         running = [h for h in targets if h.process.is_alive() and not h.answered]
         paused = [h for h in running if h.paused()]
-        diagnosis = (
-            None if starting else _report.diagnose(self.handles, self.dump_paths, self.wording)
+        diagnosis, stacks, cleanup = self._report_and_stop(
+            running,
+            records=not starting,
+            grace=_DRAIN_GRACE_S,
+            failed=running[0].rank if running else -1,
         )
-        stacks = self.stacks(running)
-        cleanup = self.stop()
-        self.drain(_DRAIN_GRACE_S)
-        if self.board is not None:
-            self.board.finish(running[0].rank if running else -1)
         if starting:
             waiting = [h for h in targets if not (h.check_started() or (h.ready and h.call == 0))]
             summary = (
@@ -316,10 +314,7 @@ class Supervisor(RankWatch):
             return self._interrupt_pool(targets)
         running = [h for h in targets if _alive(h) and not h.answered]
         paused = _paused_note(running)  # before they are stopped
-        diagnosis, stacks = self._gathered(running, records=phase == "running")
-        cleanup = self._stop_anyway()
-        self.drain(0.2)
-        self._finish_board()
+        diagnosis, stacks, cleanup = self._report_and_stop(running, records=phase == "running")
         work = _lower(self.wording.work)
         if phase == "starting":
             summary = f"The cell was interrupted {_HOW} while the ranks were starting."
@@ -367,17 +362,17 @@ class Supervisor(RankWatch):
         work = _lower(self.wording.work)
         if not (stuck or died):
             self.wait_relayed(targets)
-            self._finish_board()
+            if self.board is not None:
+                self.board.finish(-1)
             summary = (
                 f"The cell was interrupted {_HOW}: {work} stopped on every rank; "
                 f"{_lower(self.wording.kept)} are kept, with what they hold."
             )
             return WorkerInterrupted(summary, running=[h.rank for h in busy], stacks=where)
         paused = _paused_note(stuck)  # before they are stopped
-        diagnosis, stacks = (None, {}) if pressed_again else self._gathered(stuck, records=True)
-        cleanup = self._stop_anyway()
-        self.drain(0.2)
-        self._finish_board()
+        diagnosis, stacks, cleanup = self._report_and_stop(
+            stuck, records=True, ask=not pressed_again
+        )
         summary = (
             f"The cell was interrupted {_HOW} before {ranks_named(busy)} finished {work}; "
             f"{ranks_named(stuck + died)} did not stop within {_INTERRUPT_GRACE_S:g} s (native "
@@ -391,32 +386,42 @@ class Supervisor(RankWatch):
             diagnosis=diagnosis,
         )
 
-    def _gathered(self, ranks: list[RankHandle], records: bool) -> tuple[Any, dict[int, str]]:
-        """The doctor's diagnosis and the ranks' stacks, as a timeout takes them.
+    def _report_and_stop(
+        self,
+        ranks: list[RankHandle],
+        records: bool,
+        grace: float = 0.2,
+        ask: bool = True,
+        failed: int = -1,
+    ) -> tuple[Any, dict[int, str], str]:
+        """What a timeout's or an interrupt's error reports, then every rank stopped.
 
-        Bounded: the doctor waits 1 s for the ranks' records, the stacks come within 2 s. A second
-        interrupt ends the asking; what came by then is kept.
+        Asks (unless ``ask`` is false) for the doctor's diagnosis (with ``records``: it waits
+        1 s for the ranks' records) and the stacks of ``ranks`` (within 2 s); a second interrupt
+        ends the asking and keeps what came. Then stops every rank (an interrupt meanwhile starts
+        the stopping again rather than end it), relays what they wrote for up to ``grace``
+        seconds and closes the progress board, ``failed`` the rank it marks failed (-1: none).
+
+        Returns:
+            The diagnosis (or None), the stacks by rank, and the cleanup line.
         """
         diagnosis: Any = None
         stacks: dict[int, str] = {}
         try:
-            if records:
+            if ask and records:
                 diagnosis = _report.diagnose(self.handles, self.dump_paths, self.wording)
-            stacks = self.stacks(ranks)
+            if ask:
+                stacks = self.stacks(ranks)
         except KeyboardInterrupt:
             pass
-        return diagnosis, stacks
-
-    def _stop_anyway(self) -> str:
-        """Stop every rank; an interrupt meanwhile starts the stopping again rather than end it."""
         try:
-            return self.stop()
+            cleanup = self.stop()
         except KeyboardInterrupt:
-            return self.stop()
-
-    def _finish_board(self) -> None:
+            cleanup = self.stop()
+        self.drain(grace)
         if self.board is not None:
-            self.board.finish(-1)
+            self.board.finish(failed)
+        return diagnosis, stacks, cleanup
 
     # --- the end ----------------------------------------------------------------------------
 
