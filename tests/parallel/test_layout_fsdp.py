@@ -17,7 +17,10 @@ miss. Against :func:`mgtutor.plan.planner.plan` for the same layout and a
 
 * memory: the parameter elements a rank holds after backward (its FSDP shards) equal the plan's
   ``memory["parameters"]`` under ZeRO-3; unsharded (what DDP holds, ZeRO-0) they equal the
-  plan's for ZeRO-0, so the two checks tell the stages apart.
+  plan's for ZeRO-0, so the two checks tell the stages apart. Its gradient shards and, after
+  one Adam step, its two moments equal ``memory["gradients"]`` and
+  ``memory["optimizer_state"]`` (ZeRO-1's plan, whole gradients, would miss). Not compared
+  here: the plan's transient (a unit gathered with its gradients) and its activations.
 * dp: the plan's ZeRO-3 row, two all-gathers and one reduce-scatter of the tp shard per
   micro-batch: calls and elements per call compared. FSDP2 pads each parameter's first
   dimension to a multiple of dp where the plan counts ceil(M/dp) elements; every first
@@ -82,6 +85,14 @@ def _one_step(block: tp.Block, x: torch.Tensor, groups, shard_over: str) -> dict
         loss.backward()
     for sharded, whole_shard in zip(parallel.parameters(), unsharded.parameters()):
         whole_shard.grad = sharded.grad.full_tensor()
+    grads = sum(p.grad.to_local().numel() for p in parallel.parameters())
+    adam = torch.optim.Adam(parallel.parameters())  # its state: 2 tensors per parameter
+    adam.step()  # on the shards: no collective
+    moments = sum(
+        state[name].to_local().numel()
+        for state in adam.state.values()
+        for name in ("exp_avg", "exp_avg_sq")
+    )
     value = loss.detach().clone()
     dist.all_reduce(value, group=groups.dp_group)
     axis_of = {groups.dp_group.group_name: "dp", groups.tp_group.group_name: "tp"}
@@ -89,6 +100,8 @@ def _one_step(block: tp.Block, x: torch.Tensor, groups, shard_over: str) -> dict
         "loss": value.item() / LAYOUT.dp,
         "unsharded": unsharded,
         "held": sum(p.to_local().numel() for p in parallel.parameters()),
+        "grads_held": grads,
+        "moments_held": moments,
         "mesh_ranks": dist.get_process_group_ranks(mesh.get_group()),
         "calls": [(axis_of.get(c.group, "other"), c) for c in calls],
     }
@@ -108,6 +121,8 @@ def _worker() -> dict[str, Any]:
             "loss": abs(step["loss"] - loss),
             "grads": tp.gradient_errors(whole, step["unsharded"]),
             "held": step["held"],
+            "grads_held": step["grads_held"],
+            "moments_held": step["moments_held"],
             "unsharded": sum(p.numel() for p in step["unsharded"].parameters()),
             "mesh_ranks": step["mesh_ranks"],
             "calls": step["calls"],
@@ -172,6 +187,20 @@ def test_each_rank_holds_the_planned_parameters(measured) -> None:
     for rank, result in enumerate(measured):
         assert result["dp"]["held"] == sharded, f"rank {rank}: FSDP shards against ZeRO-3"
         assert result["dp"]["unsharded"] == unsharded, f"rank {rank}: tp shard against ZeRO-0"
+
+
+def test_each_rank_holds_the_planned_gradients_and_adam_state(measured) -> None:
+    # float32 in the plan: 4 bytes a gradient element, 8 an Adam parameter's two moments. FSDP
+    # (ZeRO-3) keeps 1/dp of each; ZeRO-0's plan, whole ones, is the other count, not met.
+    planned, whole = _planned(3).memory, _planned(0).memory
+    grads, moments = planned["gradients"] // PLAN_BYTES, planned["optimizer_state"] // PLAN_BYTES
+    assert (grads, moments) != (
+        whole["gradients"] // PLAN_BYTES,
+        whole["optimizer_state"] // PLAN_BYTES,
+    )
+    for rank, result in enumerate(measured):
+        assert result["dp"]["grads_held"] == grads, f"rank {rank}: gradient shards"
+        assert result["dp"]["moments_held"] == moments, f"rank {rank}: Adam's state"
 
 
 def test_each_axis_sends_what_the_plan_says(measured) -> None:
