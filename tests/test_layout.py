@@ -26,6 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("launcher",),  # the notebook's side: launch, Pool, Run, progress bars, the %%ddp magic
     ("rank",),  # the rank's side: its loop, the messages, progress, pickling both ways
     ("doctor",),  # a hang's diagnosis, and the ranks' side of it
+    ("experiments",),  # a layout or a step run on ranks beside the planner's prediction
     ("measure",),  # what a rank measures, and its plots
     ("parallel", "plan"),  # what the notebooks build by hand; what is predicted, by formulas
     ("worker",),  # setup() and what fn asks of its rank
