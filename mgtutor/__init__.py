@@ -14,8 +14,8 @@ from the layers below it (``tests/test_layout.py`` checks it), top first:
   cells; :mod:`~mgtutor.launcher.magic` is the ``%%ddp`` cell magic (``%load_ext mgtutor``);
   :class:`Run` is what a launch returns. Its underscored modules are the machinery: checking
   arguments, starting processes, relaying output, supervision and clean-up.
-* :mod:`mgtutor.rank`: what runs inside a rank: its loop, the messages between notebook and
-  ranks, pickling both ways, and :func:`progress` (a rank's count, drawn as a bar per rank).
+* :mod:`mgtutor.rank`: what runs inside a rank: its loop, the names a call sees, and
+  :func:`progress` (a rank's count, drawn as a bar per rank).
 * :mod:`mgtutor.doctor`: what the ranks' records of their collectives (torch's Flight
   Recorder) say went wrong in a hang; :func:`~mgtutor.doctor.find_drift`, replicas that differ.
 * :mod:`mgtutor.experiments`: a layout or a step run on ranks, set beside what was predicted:
@@ -51,7 +51,8 @@ from the layers below it (``tests/test_layout.py`` checks it), top first:
   Python, torch, CUDA, NCCL, accelerator and torchvision of this build, which every platform
   branch of the notebooks reads), :mod:`mgtutor.units` (:func:`~.units.format_bytes`) and
   :mod:`mgtutor.ring` (:func:`~.ring.bytes_sent_on_ring`, the bytes one rank sends in a ring
-  collective), which import nothing of mgtutor.
+  collective) and :mod:`mgtutor.wire` (the messages between notebook and ranks, and pickling
+  both ways: what launcher and rank both speak), which import nothing of mgtutor.
 
 Importing mgtutor does not import torch or matplotlib: every worker imports this package
 first, and a worker's start-up time is the floor of every launch.
