@@ -1,9 +1,9 @@
 """How far do the step-time check's real configurations land from their predictions, run to run?
 
 What it measures
-    ``mgtutor.measure.step_check`` holds each real configuration (one process, DDP, TP and, from
+    ``mgtutor.experiments.step_check`` holds each real configuration (one process, DDP, TP and, from
     torch 2.5, a 2-stage ``Schedule1F1B``: GPT layers on 2 gloo CPU ranks) to within a factor
-    ``step_check.FACTOR``. A run is what tests/measure/test_step_check.py and notebook 18 do: a
+    ``step_check.FACTOR``. A run is what tests/experiments/test_step_check.py and notebook 18 do: a
     fresh ``mgtutor.Pool(2, backend="gloo")``, ``calibrate_beside`` (every figure the median of
     ``passes``), and ``check`` of those configurations (``rounds=2``, the configurations
     interleaved). Each run's error ((predicted - measured median) / measured median) is a new draw
@@ -86,8 +86,8 @@ def main() -> None:
     import torch
 
     import mgtutor
-    from mgtutor.measure import step_check
-    from mgtutor.measure.step_calibrate import scaled
+    from mgtutor.experiments import step_check
+    from mgtutor.experiments.step_calibrate import scaled
 
     names = tuple(n for n in step_check.runnable() if not step_check.CONFIGS[n].emulated)
     bound = f"a factor {step_check.FACTOR:g}"

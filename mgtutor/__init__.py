@@ -14,17 +14,20 @@ from the layers below it (``tests/test_layout.py`` checks it), top first:
   cells; :mod:`~mgtutor.launcher.magic` is the ``%%ddp`` cell magic (``%load_ext mgtutor``);
   :class:`Run` is what a launch returns. Its underscored modules are the machinery: checking
   arguments, starting processes, relaying output, supervision and clean-up.
-* :mod:`mgtutor.rank`: what runs inside a rank: its loop, the messages between notebook and
-  ranks, pickling both ways, and :func:`progress` (a rank's count, drawn as a bar per rank).
+* :mod:`mgtutor.rank`: what runs inside a rank: its loop, the names a call sees, and
+  :func:`progress` (a rank's count, drawn as a bar per rank).
 * :mod:`mgtutor.doctor`: what the ranks' records of their collectives (torch's Flight
   Recorder) say went wrong in a hang; :func:`~mgtutor.doctor.find_drift`, replicas that differ.
+* :mod:`mgtutor.experiments`: a layout or a step run on ranks, set beside what was predicted:
+  :mod:`~.experiments.traffic` (each step's collectives counted in the ranks, and torch's own,
+  against the planner's) and :mod:`~.experiments.step_check` (the step-time model against this
+  machine's CPU ranks).
 * :mod:`mgtutor.measure`: what a rank measures and how it is shown: :mod:`~.measure.timing`
   (:func:`phase`, :func:`step`, :class:`StepTimer`), :mod:`~.measure.trace` (torch's profiler
   in each rank, DDP's own all-reduces among its events: :func:`record_trace`, one file for all
   ranks: :func:`write_trace`), :mod:`~.measure.memory` (what the
   per-rank memory figures count), :mod:`~.measure.breakdown` (each rank's memory by category),
   :mod:`~.measure.activations` (the bytes a forward and backward keep alive),
-  :mod:`~.measure.traffic` (each step's collectives counted in the ranks, and torch's own),
   :mod:`~.measure.stats` (repeated measurements read with their spread) and
   :mod:`~.measure.plots`.
 * :mod:`mgtutor.parallel`: what the notebooks build by hand: :mod:`~.parallel.syncbn`
@@ -36,7 +39,7 @@ from the layers below it (``tests/test_layout.py`` checks it), top first:
   :mod:`~.plan.memplan` (each rank's memory by category, computed ahead), :mod:`~.plan.planner`
   (a transformer's memory and traffic per GPU for a layout; its activations term by term in
   :mod:`~.plan.activation_plan`) and :mod:`~.plan.step_time` (a layout's predicted step time,
-  checked against CPU ranks by :mod:`~.measure.step_check`).
+  checked against CPU ranks by :mod:`~.experiments.step_check`).
 * :mod:`mgtutor.worker`: :func:`setup` joins the process group inside a worker (also under
   torchrun and SLURM); :func:`teardown` leaves it.
 * The ground: :mod:`mgtutor.errors` (:class:`WorkerError`, :class:`WorkerTimeout`,
@@ -48,7 +51,8 @@ from the layers below it (``tests/test_layout.py`` checks it), top first:
   Python, torch, CUDA, NCCL, accelerator and torchvision of this build, which every platform
   branch of the notebooks reads), :mod:`mgtutor.units` (:func:`~.units.format_bytes`) and
   :mod:`mgtutor.ring` (:func:`~.ring.bytes_sent_on_ring`, the bytes one rank sends in a ring
-  collective), which import nothing of mgtutor.
+  collective) and :mod:`mgtutor.wire` (the messages between notebook and ranks, and pickling
+  both ways: what launcher and rank both speak), which import nothing of mgtutor.
 
 Importing mgtutor does not import torch or matplotlib: every worker imports this package
 first, and a worker's start-up time is the floor of every launch.

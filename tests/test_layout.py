@@ -24,14 +24,17 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("interactive",),  # controls that re-run a launch
     ("exercises",),  # checkers that launch a learner's function
     ("launcher",),  # the notebook's side: launch, Pool, Run, progress bars, the %%ddp magic
-    ("rank",),  # the rank's side: its loop, the messages, progress, pickling both ways
+    ("rank",),  # the rank's side: its loop, the names a call sees, progress
     ("doctor",),  # a hang's diagnosis, and the ranks' side of it
+    ("experiments",),  # a layout or a step run on ranks beside the planner's prediction
     ("measure",),  # what a rank measures, and its plots
     ("parallel", "plan"),  # what the notebooks build by hand; what is predicted, by formulas
     ("worker",),  # setup() and what fn asks of its rank
     ("checkpoint", "data", "errors", "hardware", "metrics", "models"),
     ("build",),  # this_build(): the platform facts every notebook branch reads
-    ("grid", "ring", "units"),  # Layout, the ring formula, format_bytes: import nothing of mgtutor
+    # Layout, the ring formula, format_bytes, the messages and pickling both sides speak: these
+    # import nothing of mgtutor.
+    ("grid", "ring", "units", "wire"),
 )
 
 

@@ -1,11 +1,11 @@
 """Check the step-time model against this machine's 2 CPU ranks, from a shell.
 
 ``python tools/step_check.py [rounds] [configuration ...]``: calibrate, then predict and measure
-each configuration of ``mgtutor.measure.step_check.CONFIGS`` (all by default, or those whose names
-contain one of the given words), and print each prediction against the measured median on its
+each configuration of ``mgtutor.experiments.step_check.CONFIGS`` (all by default, or those whose
+names contain one of the given words), and print each prediction against the measured median on its
 bound's scale (``Measured.shown``: emulated, the error; real, the ratio), with its terms deleted in
-turn: what notebook 18's check cells and tests/measure/test_step_check.py run. A configuration is
-held to its bound only where other work left the ranks alone (``Measured.asserted``: at most
+turn: what notebook 18's check cells and tests/experiments/test_step_check.py run. A configuration
+is held to its bound only where other work left the ranks alone (``Measured.asserted``: at most
 ``step_check.CROWDED`` of a core beside real ranks, of the time waiting for a core for emulated
 ones, counted by the ranks); the others print NOT CHECKED and why. Exits 1 where an asserted
 configuration missed its bound or one of its deleted terms stayed within it, 2 where no
@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 
 import mgtutor
-from mgtutor.measure import step_check
+from mgtutor.experiments import step_check
 
 
 def main() -> None:

@@ -149,7 +149,7 @@ def check_all(
         One :class:`CheckResult` per candidate, in order.
     """
     from mgtutor.launcher.launch import launch
-    from mgtutor.rank.pickling import dumps
+    from mgtutor.wire.pickling import dumps
 
     name = f"{exercise.name} ({label})" if label else exercise.name
     results: dict[int, CheckResult] = {}

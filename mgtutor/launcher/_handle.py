@@ -12,7 +12,7 @@ from mgtutor.errors import WorkerError
 from mgtutor.launcher._relay import RankOutput
 from mgtutor.launcher.run import RankResult, Run
 from mgtutor.measure.timing import PhaseRecord
-from mgtutor.rank.messages import Done, Failed
+from mgtutor.wire.messages import Done, Failed
 
 __all__ = ["RankHandle", "agreed_backend", "build_run", "with_wall_time"]
 

@@ -20,7 +20,7 @@ can only be made where each of those things is immutable or pickled by name:
 Anything else (a list, a dict, a tensor, a model, a class defined in a cell: things a cell
 can change in place) leaves the payload without a key: it is pickled afresh at every call, as
 before. ``tests/launcher/test_payload.py`` checks, for each kind of value, that a reused
-payload is byte for byte what :func:`mgtutor.rank.pickling.dumps` writes now.
+payload is byte for byte what :func:`mgtutor.wire.pickling.dumps` writes now.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mgtutor.launcher import _send
-from mgtutor.rank.pickling import PLAIN_TYPES
+from mgtutor.wire.pickling import PLAIN_TYPES
 
 __all__ = ["PayloadCache", "payload_key", "shared"]
 

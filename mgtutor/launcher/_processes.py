@@ -23,7 +23,7 @@ from mgtutor.launcher import lifetime
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._relay import RankOutput
 from mgtutor.rank.loop import RankSpec, die_with_parent, rank_main
-from mgtutor.rank.messages import Context
+from mgtutor.wire.messages import Context
 from mgtutor.worker import INIT_BARRIER_ENV
 
 # What the forkserver imports once, so that ranks forked from it need not. torch._dynamo is

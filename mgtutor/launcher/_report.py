@@ -17,8 +17,8 @@ from typing import Any
 
 from mgtutor.errors import WorkerError
 from mgtutor.launcher._handle import RankHandle
-from mgtutor.rank.messages import Failed
 from mgtutor.rank.namespace import kept_note
+from mgtutor.wire.messages import Failed
 
 __all__ = ["Wording", "describe", "diagnose", "format_stack", "ranks_named", "with_note"]
 

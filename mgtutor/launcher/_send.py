@@ -17,8 +17,8 @@ from collections.abc import Callable, Collection
 from typing import Any
 
 from mgtutor.errors import PicklingError
-from mgtutor.rank.messages import Context
-from mgtutor.rank.pickling import dumps, fails, type_name
+from mgtutor.wire.messages import Context
+from mgtutor.wire.pickling import dumps, fails, type_name
 
 _MAX_SOURCE_BYTES = 2_000_000
 # Variables that act only when a process group is made: changed after the pool's ranks made

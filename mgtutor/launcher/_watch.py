@@ -17,7 +17,7 @@ from typing import Any
 
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher.progress_bars import ProgressBoard
-from mgtutor.rank.messages import Done, Failed, Hello, Progress, Ready
+from mgtutor.wire.messages import Done, Failed, Hello, Progress, Ready
 
 __all__ = ["POLL_S", "RankWatch", "ended_sentinels"]
 

@@ -51,7 +51,7 @@ from mgtutor.launcher._supervise import Supervisor
 from mgtutor.launcher.progress_bars import ProgressBoard
 from mgtutor.launcher.run import Run
 from mgtutor.rank import namespace
-from mgtutor.rank.messages import Call, Exit
+from mgtutor.wire.messages import Call, Exit
 
 __all__ = ["Pool"]
 

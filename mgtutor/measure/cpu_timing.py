@@ -8,7 +8,7 @@ softmax and GeLU forward and backward; :func:`seconds_per_call` times any of the
 (``time.process_time`` for CPU seconds, which other work on the machine does not stretch);
 :func:`reference_rate` is the one product re-timed before each step; :func:`gemm_timer` any
 one product.
-:mod:`mgtutor.measure.step_calibrate` turns them into a
+:mod:`mgtutor.experiments.step_calibrate` turns them into a
 :class:`~mgtutor.plan.machine.Hardware`.
 """
 

@@ -9,7 +9,7 @@ processes used over the same window, that is the CPU other work took there.
 
 :class:`OtherWork` does so around blocks of code in this process, counting as its own this
 process, its live descendants (the ranks a :class:`mgtutor.Pool` started) and the children they
-reaped. A rank can do the same around one step of its own (:mod:`~mgtutor.measure.step_check`
+reaped. A rank can do the same around one step of its own (:mod:`~mgtutor.experiments.step_check`
 does, with :func:`time.process_time` as the rank's own).
 
 :func:`waited_seconds` counts the other side: how long this process's threads were ready to run
@@ -113,9 +113,9 @@ def _own_seconds() -> float:
 class OtherWork:
     """The cores other processes held while the ``with`` blocks ran (summed over every block).
 
-    The step check's calibration figure (:func:`~mgtutor.measure.step_check.calibrate_beside`);
+    The step check's calibration figure (:func:`~mgtutor.experiments.step_check.calibrate_beside`);
     its steps' windows are counted by the ranks themselves instead
-    (:func:`~mgtutor.measure.step_windows.window_crowding`), unclipped, one figure per window.
+    (:func:`~mgtutor.experiments.step_windows.window_crowding`), unclipped, one figure per window.
 
     >>> other = OtherWork()
     >>> with other:

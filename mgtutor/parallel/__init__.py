@@ -34,8 +34,8 @@
 * :mod:`.elastic`: replicas over a membership that changes mid-run: a TCPStore quorum, a fresh
   gloo group per epoch, the state broadcast to a replica that rejoins (notebook 19).
 
-Where it stands: it imports nothing of mgtutor above it; what measures these modules
-(:mod:`mgtutor.measure.traffic`, :mod:`mgtutor.measure.activations`) imports them, and a
+Where it stands: it imports nothing of mgtutor above it; what measures or runs these modules
+(:mod:`mgtutor.measure.activations`, :mod:`mgtutor.experiments`) imports them, and a
 caller that wants phases timed passes :func:`mgtutor.phase` in (:func:`.pipeline.run_order`).
 
 Nothing here is imported by ``import mgtutor.parallel``: import the module you need (each

@@ -23,6 +23,7 @@
 
 Where it stands: a plan imports nothing of mgtutor but :mod:`mgtutor.units`, :mod:`mgtutor.ring`
 and :mod:`mgtutor.grid` (the :class:`~mgtutor.grid.Layout` it takes and keeps); what measures a
-run (:mod:`mgtutor.measure`) imports the plan, to set what ran beside what was predicted.
+run (:mod:`mgtutor.measure`, :mod:`mgtutor.experiments`) imports the plan, to set what ran beside
+what was predicted.
 Nothing here imports torch at import time.
 """

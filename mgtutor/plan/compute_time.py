@@ -2,8 +2,8 @@
 operations between them, and the FLOP counts MFU and HFU divide.
 
 A :class:`Device` runs a matrix product (``rows x inner`` times ``inner x cols``) either at a rate
-measured at that shape (CPU ranks: :mod:`mgtutor.measure.step_calibrate` measures them) or, for a
-GPU, in ``max(waves x one wave of tiles at the ceiling rate, bytes / memory bandwidth)``: the
+measured at that shape (CPU ranks: :mod:`mgtutor.experiments.step_calibrate` measures them) or,
+for a GPU, in ``max(waves x one wave of tiles at the ceiling rate, bytes / memory bandwidth)``: the
 output is cut into tiles (256 x 128 elements, the largest tile cuBLAS uses), each streaming
 multiprocessor computes one tile at a time, so a product whose tiles do not fill the last wave
 pays for a whole wave (NVIDIA, "Matrix Multiplication Background User's Guide", DU-09799-001,

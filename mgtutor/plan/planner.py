@@ -9,7 +9,7 @@ layout for a number of GPUs and keeps those that fit.
 Everything here is arithmetic, and the tests check each category against what CPU ranks hold
 and run: the float32 model states against :func:`mgtutor.plan.memplan.estimate`, the
 activations against autograd in :class:`mgtutor.parallel.gpt_layer.GPTLayer`, every collective
-against the calls counted in ranks (:func:`mgtutor.measure.traffic.torch_collectives`).
+against the calls counted in ranks (:func:`mgtutor.experiments.traffic.torch_collectives`).
 
 Sources of the formulas:
 

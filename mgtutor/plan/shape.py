@@ -3,7 +3,7 @@
 :class:`Transformer` holds layers, hidden size, heads, sequence length, micro-batch, MLP width
 and vocabulary, and counts parameters from them (GPT-2's layer) or takes the count as given; its
 ``style`` says which parameters tensor parallelism keeps whole. :mod:`mgtutor.plan.planner`,
-:mod:`mgtutor.plan.step_time` and :mod:`mgtutor.measure.traffic` take it.
+:mod:`mgtutor.plan.step_time` and :mod:`mgtutor.experiments.traffic` take it.
 """
 
 from __future__ import annotations

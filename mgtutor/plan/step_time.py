@@ -41,7 +41,7 @@ model's shape, a :class:`~mgtutor.plan.machine.Hardware` and a
 
 Left out: kernel launch and Python overhead, data loading, a ring's latency growing with its
 size (no GPU latency is quoted), congestion between groups sharing a link, stragglers.
-:mod:`mgtutor.measure.step_check` checks the terms on CPU ranks it runs.
+:mod:`mgtutor.experiments.step_check` checks the terms on CPU ranks it runs.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ def is_attached() -> bool:
 
 
 def send(message: Any) -> bool:
-    """Send one message (a class of :mod:`mgtutor.rank.messages`) to the parent.
+    """Send one message (a class of :mod:`mgtutor.wire.messages`) to the parent.
 
     Returns:
         False when there is no parent to send to, or it is gone.

@@ -3,8 +3,8 @@
 The notebook's :class:`mgtutor.Pool` (and :func:`mgtutor.launch`, a pool that runs one call)
 starts each rank with :func:`rank_main`. The rank wires its output to the notebook, installs a
 stack dump on SIGUSR1, joins the process group if the pool asked for one, then waits for
-:class:`~mgtutor.rank.messages.Call` messages and runs each, until
-:class:`~mgtutor.rank.messages.Exit` or the notebook's end. Nothing here is public: the
+:class:`~mgtutor.wire.messages.Call` messages and runs each, until
+:class:`~mgtutor.wire.messages.Exit` or the notebook's end. Nothing here is public: the
 rank API a training function uses is in :mod:`mgtutor.worker`.
 """
 
@@ -29,9 +29,9 @@ from typing import Any
 from mgtutor.errors import in_mgtutor, strip_ansi
 from mgtutor.rank import channel, namespace
 from mgtutor.rank.children import live_children
-from mgtutor.rank.messages import Call, Context, Done, Exit, Failed, Hello, Ready
-from mgtutor.rank.pickling import dumps_on_cpu, fails
 from mgtutor.rank.result import why_unsendable
+from mgtutor.wire.messages import Call, Context, Done, Exit, Failed, Hello, Ready
+from mgtutor.wire.pickling import dumps_on_cpu, fails
 from mgtutor.worker import (
     current_backend,
     current_device,

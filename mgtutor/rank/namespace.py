@@ -14,7 +14,7 @@ import sys
 import types
 from typing import Any
 
-from mgtutor.rank.pickling import PLAIN_TYPES
+from mgtutor.wire.pickling import PLAIN_TYPES
 
 
 class _RankNamespace(dict):

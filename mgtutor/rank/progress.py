@@ -11,7 +11,7 @@ import sys
 import time
 
 from mgtutor.rank import channel
-from mgtutor.rank.messages import Progress
+from mgtutor.wire.messages import Progress
 
 __all__ = ["print_text", "progress"]
 

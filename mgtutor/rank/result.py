@@ -1,10 +1,10 @@
 """What a rank says when fn's result cannot travel back to the notebook.
 
-A rank pickles what fn returned (:func:`.pickling.dumps_on_cpu`) and sends it over a pipe. A
-generator, a lock, an open file or a socket cannot be pickled, and the error pickle raises names
-only a type, from deep inside cloudpickle. :func:`why_unsendable` says instead which value it is
-(``result["it"]``, a generator), where fn returned it (its ``return`` line, the cell line for a
-function defined in a notebook cell), and what to return instead.
+A rank pickles what fn returned (:func:`mgtutor.wire.pickling.dumps_on_cpu`) and sends it over a
+pipe. A generator, a lock, an open file or a socket cannot be pickled, and the error pickle raises
+names only a type, from deep inside cloudpickle. :func:`why_unsendable` says instead which value
+it is (``result["it"]``, a generator), where fn returned it (its ``return`` line, the cell line
+for a function defined in a notebook cell), and what to return instead.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import textwrap
 from typing import Any
 
 from mgtutor.errors import in_mgtutor
-from mgtutor.rank.pickling import fails, type_name
+from mgtutor.wire.pickling import fails, type_name
 
 __all__ = ["why_unsendable"]
 

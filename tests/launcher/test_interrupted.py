@@ -23,7 +23,7 @@ import mgtutor.launcher.magic
 from mgtutor.doctor import Diagnosis, recorder_available
 from mgtutor.errors import WorkerInterrupted
 from mgtutor.launcher import _cleanup, _report
-from mgtutor.rank.messages import Failed
+from mgtutor.wire.messages import Failed
 from tests.helpers import worker_children
 
 # The diagnosis reads the ranks' Flight Recorder records of gloo's collectives, which a newer

@@ -21,7 +21,7 @@ import pytest
 import mgtutor
 from mgtutor.launcher import _payload
 from mgtutor.launcher._payload import PayloadCache, payload_key
-from mgtutor.rank import pickling
+from mgtutor.wire import pickling
 
 STEP = 3
 SCALE = -0.0

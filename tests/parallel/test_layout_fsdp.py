@@ -6,7 +6,7 @@ One launch of 4 gloo ranks (``measured``, cached for the module) builds
 each rank's :class:`~mgtutor.parallel.tensor.ParallelBlock` over a ``DeviceMesh`` made from the
 layout's dp group (``DeviceMesh.from_group``), as torchtitan applies tp first, then FSDP on
 the dp mesh. The block is a non-root unit under a root that owns no parameters (as
-:func:`mgtutor.measure.traffic.count_steps` wraps its layers): it reshards after forward, so
+:func:`mgtutor.experiments.traffic.count_steps` wraps its layers): it reshards after forward, so
 each micro-batch all-gathers it twice on every torch that has ``fully_shard``.
 
 Each data-parallel replica takes its half of a seeded global batch for one forward and

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 import mgtutor
-from mgtutor.measure.traffic import totals
+from mgtutor.experiments.traffic import totals
 from mgtutor.parallel import tensor as tp
 from mgtutor.parallel.comms import record_comms
 from mgtutor.parallel.layout import AXES, Layout, build_groups

@@ -205,7 +205,7 @@ def _tp_collectives_in_ranks() -> dict:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    from mgtutor.measure import traffic
+    from mgtutor.experiments import traffic
     from mgtutor.measure.activations import kept_for_backward
     from mgtutor.parallel.comms import record_comms
     from mgtutor.parallel.gpt_layer import GPTLayer, ParallelGPTLayer

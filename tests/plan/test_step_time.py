@@ -1,6 +1,6 @@
 """step_time: each term against a hand computation, and the ranking at a fixed global batch.
 
-The CPU ranks that check the terms run in tests/measure/test_step_check.py; the last test
+The CPU ranks that check the terms run in tests/experiments/test_step_check.py; the last test
 checks the DDP behaviour the "copies" term rests on."""
 
 from __future__ import annotations

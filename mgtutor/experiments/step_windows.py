@@ -1,11 +1,11 @@
 """What each rank of the step-time check measures per step, and how crowded each window was.
 
-:func:`measure_rank` runs on each rank of :func:`mgtutor.measure.step_check.check`: a
+:func:`measure_rank` runs on each rank of :func:`mgtutor.experiments.step_check.check`: a
 configuration's steps, with the re-timings that set each step's prediction, and over each window
 (those timings, then the step) the CPU seconds and run-queue waits that say whether other work
 crowded the ranks; :func:`window_crowding` turns one window of every rank into one figure, which
-:attr:`mgtutor.measure.step_check.Measured.why_not` compares with
-:data:`~mgtutor.measure.step_check.CROWDED`.
+:attr:`mgtutor.experiments.step_check.Measured.why_not` compares with
+:data:`~mgtutor.experiments.step_check.CROWDED`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import time
 from typing import Any
 
-from mgtutor.measure.step_calibrate import (
+from mgtutor.experiments.step_calibrate import (
     CHECK_MODEL,
     CLOCKS,
     reference_rate,
@@ -34,11 +34,11 @@ def measure_rank(config: Any, steps: int, window: float, calls: int) -> dict[str
     over each window (those timings and the step) the busy CPU seconds of the CPUs the rank
     may run on, its own (all its threads), the wall-clock seconds and the seconds its threads
     waited for a core (:func:`window_crowding`). A real configuration's steps and rates are
-    read on :func:`~mgtutor.measure.step_calibrate.step_clock`'s clock, the rates kept under
+    read on :func:`~mgtutor.experiments.step_calibrate.step_clock`'s clock, the rates kept under
     ``"rate_cpu"`` or ``"rate_wall"``; an emulated one's steps in wall-clock seconds."""
     import torch.distributed as dist
 
-    from mgtutor.measure import step_builds
+    from mgtutor.experiments import step_builds
     from mgtutor.measure.emulated import meeting_seconds
     from mgtutor.measure.other_work import busy_seconds, waited_seconds
     from mgtutor.worker import setup

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import types
 
-from mgtutor.rank import pickling
+from mgtutor.wire import pickling
 
 
 def _plain():

@@ -14,7 +14,7 @@ time is what the check predicts. Products and operations are timed in CPU second
 (``time.process_time``), which other work on the machine does not stretch; a step's wall-clock
 time is then predicted at the share of a core the rank gets, re-timed before each step.
 
-:mod:`mgtutor.measure.step_check` predicts with the result and measures the same ranks.
+:mod:`mgtutor.experiments.step_check` predicts with the result and measures the same ranks.
 """
 
 from __future__ import annotations

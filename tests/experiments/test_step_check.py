@@ -10,7 +10,8 @@ import types
 import pytest
 
 import mgtutor
-from mgtutor.measure import emulated, step_calibrate, step_check
+from mgtutor.experiments import step_calibrate, step_check
+from mgtutor.measure import emulated
 from mgtutor.plan.compute_time import Device, layer_times, product_shapes
 from mgtutor.plan.machine import Hardware, Link
 
@@ -22,7 +23,7 @@ def test_the_products_the_model_counts_are_the_ones_a_layer_runs():
     # GPTLayer step: the calibrated shapes are what the step runs.
     from torch.utils.flop_counter import FlopCounterMode
 
-    from mgtutor.measure.step_builds import _real
+    from mgtutor.experiments.step_builds import _real
 
     model = step_check.CHECK_MODEL
     step = _real(step_check.Config("one", 1, 1, 1, 1, model=model))
@@ -120,7 +121,7 @@ def test_one_rank_times_its_step_and_its_rate_in_cpu_seconds(monkeypatch):
     # real configuration's step that sleeps 50 ms reads about 0 (CPU seconds; a wall-clock
     # timer reads 0.05 or more), and its rate is timed with process_time, kept as "rate_cpu".
     from mgtutor import worker
-    from mgtutor.measure import step_builds, step_windows
+    from mgtutor.experiments import step_builds, step_windows
 
     clocks = []
     monkeypatch.setattr(worker, "setup", lambda *args, **kwargs: None)

@@ -19,7 +19,7 @@ import torch
 import mgtutor
 from mgtutor.build import torch_release
 from mgtutor.doctor.record import recorder_available
-from mgtutor.measure import traffic
+from mgtutor.experiments import traffic
 from mgtutor.parallel.comms import Comm, record_comms
 from mgtutor.plan.planner import plan
 from mgtutor.plan.shape import Transformer

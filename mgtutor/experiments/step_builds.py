@@ -1,6 +1,6 @@
 """The step of each configuration the step-time check runs, built on one rank.
 
-:func:`build` returns a rank's step function for a :class:`~mgtutor.measure.step_check.Config`:
+:func:`build` returns a rank's step function for a :class:`~mgtutor.experiments.step_check.Config`:
 real :class:`~mgtutor.parallel.gpt_layer.GPTLayer` steps (one process, DDP, TP with
 :class:`~mgtutor.parallel.gpt_layer.ParallelGPTLayer`, a 2-stage ``Schedule1F1B``), or the
 emulated GPU's (:mod:`mgtutor.measure.emulated`): DDP over a wire with ``no_sync`` before the last

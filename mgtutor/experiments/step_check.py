@@ -1,6 +1,6 @@
 """The step-time model against ranks it runs: calibrate, predict, measure, and delete each term.
 
-:func:`~mgtutor.measure.step_calibrate.calibrate` (re-exported) measures this machine's 2 CPU
+:func:`~mgtutor.experiments.step_calibrate.calibrate` (re-exported) measures this machine's 2 CPU
 ranks. :func:`check` predicts and measures each configuration of :data:`CONFIGS`, interleaved
 (every configuration once per round), and :func:`without` recomputes each prediction with one
 term of the model deleted, so that a check can show the term is needed: outside the bound
@@ -10,8 +10,8 @@ without it, inside with it. Two kinds of configuration:
   (its collectives use the cores that compute: nothing overlaps). They check the compute model's
   overall size, within a factor :data:`FACTOR` (why so wide: its comment). One rank's step is
   compared in CPU seconds, two ranks' in wall-clock time, each at the rate the ranks compute just
-  before it (:func:`~mgtutor.measure.step_calibrate.step_clock`,
-  :func:`~mgtutor.measure.step_calibrate.at_rate`).
+  before it (:func:`~mgtutor.experiments.step_calibrate.step_clock`,
+  :func:`~mgtutor.experiments.step_calibrate.at_rate`).
 * emulated: a GPU rank emulated (:mod:`mgtutor.measure.emulated`): device time and a link slept
   at declared rates, while torch's DDP, autograd and pipeline schedule order the work. They
   check what overlaps (the last micro-batch, the last bucket, TP's backward) and the pipeline's
@@ -20,12 +20,12 @@ without it, inside with it. Two kinds of configuration:
 
 A step is forward and backward (and DDP's reduction), no optimizer step. Both kinds share the
 cores with whatever else runs, so the ranks count, over each window (the re-timings that set a
-step's prediction, then the step: :mod:`~mgtutor.measure.step_windows`), how crowded it was: real
-ones the CPU other work used (:func:`~mgtutor.measure.other_work.busy_seconds` less the ranks'
-own), emulated ones the time their threads waited for a core; a configuration is held to its
-bound only where its median window was at most :data:`CROWDED` (:attr:`Measured.asserted`), and
-a real one also needs a calibration other work left alone (:func:`calibrate_beside`). Never the
-load average: it lags, and misses work that starts after it is read.
+step's prediction, then the step: :mod:`~mgtutor.experiments.step_windows`), how crowded it was:
+real ones the CPU other work used (:func:`~mgtutor.measure.other_work.busy_seconds` less the
+ranks' own), emulated ones the time their threads waited for a core; a configuration is held to
+its bound only where its median window was at most :data:`CROWDED` (:attr:`Measured.asserted`),
+and a real one also needs a calibration other work left alone (:func:`calibrate_beside`). Never
+the load average: it lags, and misses work that starts after it is read.
 """
 
 from __future__ import annotations
@@ -35,8 +35,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from mgtutor.measure.emulated import emulated_device
-from mgtutor.measure.step_calibrate import (
+from mgtutor.experiments.step_calibrate import (
     CHECK_MODEL,
     at_rate,
     calibrate,
@@ -44,7 +43,8 @@ from mgtutor.measure.step_calibrate import (
     step_clock,
     with_latencies,
 )
-from mgtutor.measure.step_windows import WINDOW, measure_rank, window_crowding
+from mgtutor.experiments.step_windows import WINDOW, measure_rank, window_crowding
+from mgtutor.measure.emulated import emulated_device
 from mgtutor.plan.machine import Hardware, Link, Software, StepTime
 from mgtutor.plan.planner import plan
 from mgtutor.plan.shape import Transformer
