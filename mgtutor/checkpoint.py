@@ -1,13 +1,9 @@
 """Checkpoints that are never half-written: save to a temporary file, then rename it.
 
 A crash (or a full disk, or an object that cannot be saved) in the middle of ``torch.save``
-leaves a truncated file behind, and the next run's ``torch.load`` fails on it or, worse, a
-resumed job starts from garbage. :func:`save_checkpoint` writes next to the target and renames
-the finished file over it in one step (``os.replace`` is atomic on POSIX file systems), so the
-path always holds either the old checkpoint or the complete new one.
-
-In a DDP job only rank 0 should save (every rank holds the same weights), and the others should
-wait at a barrier before loading, so that nobody reads a checkpoint that is not there yet.
+leaves a truncated file, which the next run's ``torch.load`` fails on or resumes from. Renaming
+the finished file over the target (``os.replace``, atomic on POSIX file systems) leaves the path
+holding either the old checkpoint or the complete new one.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Numbers averaged over ranks, exactly: what a rank calls to report one figure for the whole run.
 
-Every rank sees only its shard, so a loss or an accuracy printed by one rank describes a part of
-the data. :func:`reduce_mean` gives every rank the mean over all ranks' samples; it is the one
-averaging helper the notebooks use.
-
-Both functions are collectives: every rank of the process group must call them, in the same
-order, or the ranks that did wait until the group's timeout.
+Every rank sees only its shard, so a figure one rank prints describes part of the data. Both
+functions are collectives: every rank of the process group must call them, in the same order,
+or the ranks that did wait until the group's timeout.
 """
 
 from __future__ import annotations
@@ -36,8 +33,7 @@ def reduce_sums(
         device: where the reduction happens; by default the rank's GPU under NCCL, else CPU.
 
     Returns:
-        The sums, as Python floats, in the order given. float64 holds whole counts exactly up to
-        2**53.
+        The sums, as Python floats, in the order given (float64: whole counts exact to 2**53).
 
     Raises:
         ValueError: if no value is given or a tensor has more than one element.
@@ -73,10 +69,9 @@ def reduce_mean(
 ) -> float:
     """The mean over all ranks' samples: (sum of ``total`` over ranks) / (sum of ``count``).
 
-    Pass a rank's *sum* and how many samples it summed, and the result is the exact mean over
-    every sample of every rank, whatever each rank's share. With the default ``count=1`` each
-    rank counts once, so ``reduce_mean(local_mean)`` is the mean of the ranks' means: equal to
-    the exact mean only when every rank averaged over the same number of samples.
+    Given each rank's *sum* and how many samples it summed, the result is the exact mean over
+    every sample, whatever each rank's share. With the default ``count=1``,
+    ``reduce_mean(local_mean)`` is the mean of the ranks' means: exact only for equal shares.
 
     Args:
         total: this rank's sum (or, with ``count=1``, its own figure).

@@ -71,11 +71,10 @@ def _respond(ask: int, path: str, main_ident: int) -> None:
 def _record_on_abort(path: str, main_ident: int) -> None:
     """Write this rank's record to ``path`` if native code aborts the process (SIGABRT).
 
-    A Python signal handler runs only between bytecodes of the main thread, never once
-    ``abort()`` has begun; a C handler made with ctypes runs in the aborting thread and takes
-    the GIL (free: the main thread waits in the collective with it released). When it returns,
-    ``abort()`` goes on and the rank dies of SIGABRT as before. Installed only where no GPU is
-    visible (see :func:`_no_gpu`).
+    A Python signal handler never runs once ``abort()`` has begun; a C handler made with ctypes
+    runs in the aborting thread and takes the GIL (free: the main thread waits in the
+    collective with it released). The rank then dies of SIGABRT as before. Installed only
+    where no GPU is visible (see :func:`_no_gpu`).
     """
     import ctypes
 
@@ -98,31 +97,20 @@ def _record_on_abort(path: str, main_ident: int) -> None:
 
 
 def start_dump_responder(path: str | None = None) -> str:
-    """Start the thread that writes this rank's record to ``path`` whenever it is asked.
+    """Start the thread that writes this rank's record to ``path`` whenever the parent asks.
 
-    The parent asks by writing a byte to a named pipe beside ``path`` (``path + ".ask"``,
-    created here, readable by this user only). A daemon thread waits on that pipe; when a byte
-    arrives it takes the record with :func:`~mgtutor.doctor.own_dump` and writes it to
-    ``path``. A collective releases the GIL while it waits, so the thread answers while the
-    main thread is blocked in one. Nothing here runs in the main thread: a Python signal
-    handler would wait until the collective returns, which in a hang is the process group's
-    timeout. If native code aborts the process, on a machine without GPUs, its record goes
-    to ``path + ".final"``.
-
-    Safe to call at any point (before or after the process group exists, with other threads
-    running); call it once per process.
+    The parent asks through a named pipe beside ``path`` (``path + ".ask"``, this user's only),
+    read by a daemon thread, which answers while the main thread is blocked in a collective (a
+    Python signal handler would wait for the collective, in a hang its timeout). If native code
+    aborts the process on a machine without GPUs, the record goes to ``path + ".final"``. Call
+    it once per process, at any point (before or after the process group exists).
 
     Args:
         path: the file to write; by default ``$MGTUTOR_FR_DUMP``, else
             :func:`default_dump_path` of this process.
 
     Returns:
-        The path the records go to. Each answer replaces the file whole (written beside it,
-        then renamed).
-
-    Example:
-        >>> start_dump_responder()          # in the rank, early
-        '/tmp/mgtutor-fr-4242.pkl'
+        The path the records go to. Each answer replaces the file whole.
     """
     path = path or os.environ.get(DUMP_PATH_ENV) or default_dump_path(os.getpid())
     ask = _request_path(path)
@@ -150,10 +138,9 @@ def start_dump_responder(path: str | None = None) -> str:
 def _no_gpu() -> bool:
     """Whether this rank can only use gloo: then a handler on SIGABRT cannot stall a rank.
 
-    The handler needs the GIL. NCCL's watchdog aborts a rank whose main thread may hold it,
-    stuck in a CUDA synchronization: the handler would wait for it forever and the rank would
-    hang instead of dying. On a machine without GPUs no NCCL runs, and gloo's collectives
-    wait with the GIL released.
+    NCCL's watchdog may abort a rank whose main thread holds the GIL, stuck in a CUDA
+    synchronization: the handler would wait for the GIL forever and the rank hang instead of
+    dying. gloo's collectives wait with the GIL released.
     """
     if os.environ.get("MGTUTOR_BACKEND") == "nccl":
         return False
@@ -194,11 +181,6 @@ def request_dumps(
     Returns:
         rank -> record (see :func:`~mgtutor.doctor.own_dump`), for the ranks that answered in
         time.
-
-    Example:
-        >>> records = request_dumps({0: 4242, 1: 4243})
-        >>> print(diagnose(records).summary)
-        rank 1 never reached all_reduce #2, which rank 0 is waiting in (...)
     """
     waiting = {r: (paths or {}).get(r) or default_dump_path(pid) for r, pid in pids.items()}
     for path in waiting.values():

@@ -1,15 +1,8 @@
-"""Start DDP workers from a notebook cell and bring back what they printed and returned.
+"""Run a function once on every rank, from a notebook cell: :func:`launch`.
 
-``launch(fn, world_size=2)`` does what torchrun does for a script: fn is pickled by value
-(cloudpickle), so a function defined in a cell, a closure or a lambda reaches the ranks, which
-plain ``torch.multiprocessing.spawn`` refuses; the rendezvous store is hosted on a fresh port of
-127.0.0.1, so no crashed run leaves a port taken; ranks start by forkserver or spawn, never fork,
-so a notebook that used CUDA can launch; the first failure, hang or interrupt stops them all.
-
-A launch is a :class:`mgtutor.Pool` that runs one call and closes: the same code
-(:mod:`._arguments`, :mod:`._processes`, :mod:`._send`, :mod:`mgtutor.rank.loop`,
-:mod:`._relay`, :mod:`._supervise`, :mod:`._cleanup`) does the work; :class:`OneCall` changes
-only when the ranks start and that they do not outlive the call.
+``fn`` is pickled by value (cloudpickle), so a function defined in a cell, a closure or a lambda
+reaches the ranks, which ``torch.multiprocessing.spawn`` refuses. A launch is a
+:class:`mgtutor.Pool` that runs one call and closes, so the two share all their machinery.
 """
 
 from __future__ import annotations
@@ -31,10 +24,8 @@ __all__ = ["launch", "START_METHODS", "default_start_method"]
 class OneCall(Pool):
     """A pool for one call, as :func:`launch` makes it.
 
-    Nothing starts until the call has been checked and pickled; then the ranks start with the
-    call already sent (nothing waits for them to be ready first), answer it and exit, a
-    failing rank at once, as torchrun's workers do; the first fault stops them all; no idle
-    timer watches them; their timings count from their start.
+    The ranks start with the call already sent, answer it and exit (a failing rank at once, as
+    torchrun's workers do); no idle timer watches them; their timings count from their start.
     """
 
     keeps_ranks = False
@@ -63,47 +54,37 @@ def launch(
     quiet: bool = False,
     **kwargs: Any,
 ) -> Run:
-    """Run ``fn(*args, **kwargs)`` in ``world_size`` worker processes, one per rank.
+    """Run ``fn(*args, **kwargs)`` in ``world_size`` new processes, one per rank.
 
-    Each worker gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-    MASTER_ADDR=127.0.0.1, MASTER_PORT) and joins the process group with :func:`mgtutor.setup`
-    or a plain ``dist.init_process_group("gloo")``. Lines the workers print appear in the cell as
+    Each rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    MASTER_ADDR=127.0.0.1, MASTER_PORT); fn joins the process group itself, with
+    :func:`mgtutor.setup` or ``dist.init_process_group``. What a rank prints shows in the cell as
     ``[rank 1] ...``. The notebook's own ``os.environ`` is left untouched.
 
     Args:
-        fn: the work of one rank; may be defined in a notebook cell, a closure or a lambda.
-        *args: positional arguments for fn (pickled; each rank gets its own copy).
+        fn: one rank's work; it may be defined in a cell, a closure or a lambda.
+        *args: fn's positional arguments (pickled: each rank gets its own copy).
         world_size: number of ranks.
-        backend: "gloo" or "nccl" for every rank's :func:`mgtutor.setup`; None takes the
-            notebook's MGTUTOR_BACKEND where it is set, else lets setup pick
-            (NCCL with one GPU per rank, else gloo).
-        timeout: seconds fn may run, counted from the moment every rank has started it; None
-            (the default) means no limit. Past it every rank is stopped and
-            :class:`mgtutor.WorkerTimeout` shows where each running rank was stuck.
-        start_timeout: seconds the ranks may take to start (Python's start, imports,
-            unpickling fn and its arguments) before fn runs; None means no limit. A node
-            importing torch from a network file system may need more than the default.
-        start_method: "forkserver" (the default on Linux: after the first launch a rank starts
-            in a fraction of a second) or "spawn" (the default, and the only choice, on macOS:
-            :func:`mgtutor.build.rank_start_method`). Both are safe after CUDA was used in
-            the notebook; plain "fork" is not, and is refused.
-        quiet: show no progress bars (for launches made in a loop); what the ranks print and
-            any error still come.
-        **kwargs: keyword arguments for fn. (Names world_size, backend, timeout,
-            start_timeout, start_method, quiet and ranks are taken by launch itself; pass such
-            arguments with functools.partial.)
+        backend: "gloo" or "nccl" for every rank's :func:`mgtutor.setup`; None: the notebook's
+            MGTUTOR_BACKEND where set, else setup's choice (NCCL with one GPU per rank, else gloo).
+        timeout: seconds fn may run, counted once every rank has started it; None: no limit.
+        start_timeout: seconds the ranks may take to start (Python, imports, unpickling) before
+            fn runs; None: no limit. Importing torch from a network file system may need more.
+        start_method: "forkserver" (Linux's default, fast after the first launch) or "spawn"
+            (the only one on macOS). "fork" is refused: unsafe once the notebook has used CUDA.
+        quiet: no progress bars (for launches in a loop); output and errors still show.
+        **kwargs: fn's keyword arguments. Names launch takes itself (world_size, backend,
+            timeout, start_timeout, start_method, quiet, ranks) go through functools.partial.
 
     Returns:
         A :class:`mgtutor.Run`; ``run.results[r]`` is what rank r returned. Tensors on a GPU
-        come back on the CPU (moved in the rank before sending), so the notebook's own process
-        never initializes CUDA to read them.
+        come back on the CPU (moved in the rank), so the notebook never initializes CUDA.
 
     Raises:
-        WorkerError: a rank raised, exited early or was killed; the other ranks were stopped.
+        WorkerError: a rank raised, exited early or was killed; the others were stopped.
         WorkerTimeout: ``timeout`` or ``start_timeout`` passed; every rank was stopped.
-        WorkerInterrupted: the cell was interrupted (a KeyboardInterrupt); every rank was
-            stopped, and the error says where each was and which one the others waited for.
-        pickle.PicklingError: fn or an argument cannot be sent to a worker (nothing started).
+        WorkerInterrupted: the cell was interrupted; every rank was stopped.
+        pickle.PicklingError: fn or an argument cannot be sent to a rank (nothing started).
         ValueError, TypeError: bad arguments (nothing started).
     """
     started = time.perf_counter()

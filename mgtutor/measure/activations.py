@@ -1,31 +1,12 @@
 """Bytes of the tensors a forward and backward create and keep alive, measured on any device.
 
-A CPU rank has no allocator statistics (``torch.cuda.max_memory_allocated`` is for CUDA only)
-and its resident memory is dominated by the interpreter and torch's libraries. To see
-activations there anyway, :class:`LiveTensors` watches every tensor that torch's operators
-create while it is active (it is a ``TorchDispatchMode``: autograd's backward and a checkpoint's
-recomputation go through it too). It keeps a weak reference to each new storage, so at any
-moment it knows how many bytes of what was created are still alive, and it records the peak
-after each operator. Python's cyclic garbage collector is paused inside the block, so that
-the count does not depend on when the collector happens to run; :meth:`LiveTensors.live_bytes`
-collects before it counts.
+A CPU rank has no allocator statistics, and its resident memory is mostly the interpreter and
+torch's libraries, so :class:`LiveTensors` counts the storages torch's operators create.
+:class:`SavedActivations` counts less and costs less: what autograd saves for backward in one
+module's forward (:func:`mgtutor.track` uses it). :func:`kept_for_backward` measures one
+:class:`~mgtutor.parallel.gpt_layer.GPTLayer`.
 
-What it counts: storages created by operators inside the ``with`` block (the outputs of
-``addmm``, ``relu``, ``empty`` and so on, gradients included), each once, at the size they
-have when counted (a storage resized later counts its new size); not views, not outputs that
-reuse an input's storage (in-place operators), not tensors made before the block (the
-parameters, the batch). What it cannot see: memory that an operator allocates and frees
-inside itself (a kernel's workspace), and the allocator's cache. Its own cost is one Python call
-per operator, so it suits small demonstrations, not production profiling.
-
-:class:`SavedActivations` measures less and costs less: only the tensors autograd saves for
-backward inside one module's forward (a Python call per saved tensor), which is what
-:func:`mgtutor.track` uses for a run's memory breakdown on any device.
-:func:`kept_for_backward` measures with :class:`LiveTensors` what one
-:class:`~mgtutor.parallel.gpt_layer.GPTLayer` keeps for backward.
-
-torch is imported when this module is, so ``import mgtutor`` loads it lazily
-(``mgtutor.measure.activations``).
+torch is imported when this module is, so ``import mgtutor`` loads it lazily.
 """
 
 from __future__ import annotations
@@ -52,6 +33,15 @@ _SETTLE_READS = 50  # at most 50 ms more, in the unlikely case the count keeps f
 
 class LiveTensors(TorchDispatchMode):
     """Track the bytes of the tensors created inside the block that are still alive.
+
+    A ``TorchDispatchMode``: every operator inside the block goes through it, autograd's
+    backward and a checkpoint's recomputation too. It counts each storage an operator creates
+    (outputs, gradients), once, at its size when counted. Not counted: views and in-place
+    results (an input's storage), tensors made before the block (the parameters, the batch),
+    memory an operator allocates and frees inside itself (a kernel's workspace), the
+    allocator's cache. Python's cyclic garbage collector is paused inside the block, so that
+    the count does not depend on when it runs. One Python call per operator: it suits small
+    demonstrations, not production profiling.
 
     Attributes:
         peak: the largest :meth:`live_bytes` seen after an operator since the block began or
@@ -91,11 +81,9 @@ class LiveTensors(TorchDispatchMode):
     def live_bytes(self) -> int:
         """Bytes of the storages created inside the block that are alive now.
 
-        Garbage in reference cycles is collected first, so it does not count. Nor does a
-        tensor a process group's worker thread is still letting go of: gloo marks a collective
-        done before its thread drops the work and the tensors it holds, and that thread may
-        need the GIL to free them. So the count is read again, the GIL released in between,
-        until two readings agree.
+        Cyclic garbage is collected first. gloo marks a collective done before its worker
+        thread drops the tensors it holds (which may need the GIL), so the count is read again,
+        the GIL released in between, until two readings agree.
         """
         gc.collect()
         now = self._alive()
@@ -143,19 +131,14 @@ class LiveTensors(TorchDispatchMode):
 class SavedActivations:
     """The peak bytes autograd saved for backward inside a module's forward: its activations.
 
-    Hooks on ``module`` (a forward pre-hook and an always-called forward hook) wrap each forward
-    in ``torch.autograd.graph.saved_tensors_hooks``; the pack hook notes a weak reference to each
-    saved tensor's storage and hands autograd a detached alias, so nothing is kept alive longer
-    than autograd keeps it. At the end of each forward the bytes of the noted storages still
-    alive are summed (each storage once, at its size then) and the largest sum is :attr:`peak`.
-    Storages saved by an earlier forward whose backward has not run yet count too.
+    Each tensor saved in the forward is noted by weak reference, so nothing lives longer than
+    autograd keeps it; at the end of each forward the bytes still alive (each storage once; an
+    earlier forward's too while its backward has not run) update :attr:`peak`.
 
-    Not counted: the module's parameters and buffers (a linear layer saves its weight, a view of
-    a parameter), tensors saved outside the module's forward (the loss function's, if the loss
-    is computed outside), saved tensors handled by an inner ``saved_tensors_hooks`` (activation
-    checkpointing keeps its own, and what it recomputes in backward), and memory an operator
-    uses only while it runs (library workspaces). The batch counts when a layer saves it, and so
-    do autocast's low-precision copies of the weights, which autograd keeps for backward.
+    Not counted: the module's parameters and buffers, tensors saved outside its forward (the
+    loss function's), saved tensors an inner ``saved_tensors_hooks`` handles (activation
+    checkpointing), and operators' workspaces. The batch counts when a layer saves it, and so
+    do autocast's low-precision copies of the weights.
 
     Args:
         module: the model whose forward to watch (a ``DistributedDataParallel`` wrapper works).
@@ -257,9 +240,8 @@ def kept_for_backward(
 ) -> tuple[int, dict[str, int]]:
     """Bytes one forward of ``layer`` keeps for backward, measured, then its backward run.
 
-    Inside :class:`LiveTensors`, ``x`` is first copied (the layer's input is the previous
-    layer's output, made in the step), the layer runs and the loss is the output's sum; the
-    bytes alive then, less the loss's own, are what backward will read.
+    Measured in :class:`LiveTensors` on a copy of ``x`` (in a step the input is made by the
+    previous layer), with the output's sum as the loss, whose own bytes are left out.
 
     Args:
         layer: a :class:`~mgtutor.parallel.gpt_layer.GPTLayer` or

@@ -1,28 +1,16 @@
 """How much of the machine other work took while a measurement ran.
 
-A timing check on CPU ranks measures the ranks only while nothing else wants their cores. The
-load average cannot say so: it is a one-minute average that lags (work that starts after it is
-read goes unseen) and it counts the ranks themselves once they run. :func:`busy_seconds` reads
-instead the busy CPU seconds of the CPUs this process may run on (its affinity mask, where the
-platform has one; all CPUs elsewhere), whoever used them; less the CPU seconds the measured
-processes used over the same window, that is the CPU other work took there.
+A timing check on CPU ranks holds only while nothing else wants their cores. The load average
+cannot say so (a one-minute average that lags, and counts the ranks themselves), so
+:func:`busy_seconds` reads the busy CPU seconds of the CPUs this process may run on (its
+affinity mask, where the platform has one), whoever used them; less the measured processes'
+own, that is other work's (:class:`OtherWork`). :func:`waited_seconds` counts the other side:
+how long this process's threads waited for a CPU.
 
-:class:`OtherWork` does so around blocks of code in this process, counting as its own this
-process, its live descendants (the ranks a :class:`mgtutor.Pool` started) and the children they
-reaped. A rank can do the same around one step of its own (:mod:`~mgtutor.experiments.step_check`
-does, with :func:`time.process_time` as the rank's own).
-
-:func:`waited_seconds` counts the other side: how long this process's threads were ready to run
-but waited for a CPU (Linux). For ranks that sleep most of a step (the step check's emulated GPU
-ranks) that is what crowding takes from them; other work on the cores they leave idle takes
-nothing.
-
-What it cannot see: a CPU quota without an affinity mask (Docker's ``--cpus``; the CPUs are all
-shown, and work on the others counts as other work), and, on macOS, reaped children's time
-(psutil reports none there; it then counts as other work). Both err towards calling a machine
-busy. And one that errs the other way: work on CPUs outside the mask (a hyper-thread sibling of
-a rank's core under taskset, another cpuset) is not counted, though it can slow the ranks
-through the caches and memory they share.
+What it cannot see: a CPU quota without an affinity mask (Docker's ``--cpus``) and, on macOS,
+reaped children's time (psutil reports none): both count as other work. Work on CPUs outside
+the mask (a hyper-thread sibling of a rank's core) is not counted, though it can slow the ranks
+through shared caches.
 """
 
 from __future__ import annotations
@@ -59,13 +47,13 @@ def busy_seconds() -> float:
 
 
 def waited_seconds() -> float:
-    """Seconds this process's threads have spent ready to run but waiting for a CPU, all
-    threads together (Linux's ``/proc/self/task/*/schedstat``, its second field: run-queue wait,
-    in ns); NaN where the kernel does not say (macOS, Windows, a kernel without schedstats).
+    """Seconds this process's threads have spent ready to run but waiting for a CPU, all together.
 
-    Unlike other work's CPU, which counts the cores others used, this counts what the process
-    lost to them: a thread of a rank that sleeps most of a step waits only when it wakes to a
-    busy core. It also counts waits behind the process's own threads and its sibling ranks."""
+    Read from Linux's ``/proc/self/task/*/schedstat`` (its second field, run-queue wait); NaN
+    where the kernel does not say (macOS, Windows, a kernel without schedstats). It counts what
+    the process lost to others: a rank that sleeps most of a step waits only when it wakes to a
+    busy core. Waits behind its own threads and its sibling ranks count too.
+    """
     import glob
 
     texts = []
@@ -113,9 +101,8 @@ def _own_seconds() -> float:
 class OtherWork:
     """The cores other processes held while the ``with`` blocks ran (summed over every block).
 
-    The step check's calibration figure (:func:`~mgtutor.experiments.step_check.calibrate_beside`);
-    its steps' windows are counted by the ranks themselves instead
-    (:func:`~mgtutor.experiments.step_windows.window_crowding`), unclipped, one figure per window.
+    Not counted as other work: this process, its live descendants (a :class:`mgtutor.Pool`'s
+    ranks) and the children they reaped.
 
     >>> other = OtherWork()
     >>> with other:

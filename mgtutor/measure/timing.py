@@ -1,39 +1,15 @@
-"""Per-step phase timing inside a worker: data, forward, backward, optimizer step, all-reduce.
+"""Per-step phase timing inside a rank: data, forward, backward, optimizer step, all-reduce.
 
-Use it in the training loop, then look at the records in ``run.timings`` or with
-:func:`mgtutor.plot_timeline` and :func:`mgtutor.plot_step_times`::
+Blocks timed with :func:`step` and :func:`phase` come back as ``run.timings``
+(:func:`mgtutor.plot_timeline`, :func:`mgtutor.plot_step_times`). Times are
+``time.perf_counter()`` seconds, the machine's monotonic clock, so all ranks share one axis.
+On a GPU each boundary records a CUDA event, read only when the records are collected: timing
+adds no synchronization, and a phase is the GPU time of the work queued in it. ``sync=True``
+synchronizes at each boundary instead: exact wall time, but the CPU no longer runs ahead of the
+GPU, which changes what is measured (and hides DDP's overlap of all-reduce with backward).
 
-    for batch in range(steps):
-        with mgtutor.step(samples=len(x)):
-            with mgtutor.phase("data"):
-                x, y = next(it)
-            with mgtutor.phase("forward"):
-                loss = loss_fn(model(x), y)
-            with mgtutor.phase("backward"):
-                loss.backward()
-            with mgtutor.phase("optimizer"):
-                opt.step()
-
-How times are taken:
-
-* CPU ranks: ``time.perf_counter()`` at each boundary. It is the machine's monotonic clock,
-  shared by every process on it, so the ranks' bars line up on one time axis.
-* GPU ranks (default, ``sync=False``): a CUDA event is recorded on the current stream at each
-  boundary and read only when the records are collected, so timing adds no synchronization.
-  A phase then lasts from when the GPU reached its start to when it reached its end: the GPU
-  time of the work queued in it. Events are placed on the wall-clock axis through one event
-  recorded right after a ``torch.cuda.synchronize()`` when the timer was made.
-* GPU ranks with ``sync=True``: ``torch.cuda.synchronize()`` at each boundary, then
-  ``perf_counter()``. Exact wall time per phase, but it stops the CPU from running ahead of the
-  GPU, which changes what is measured (and hides DDP's overlap of all-reduce with backward).
-
-The gradient all-reduce runs inside ``loss.backward()`` under DDP, overlapped with it. To see
-DDP's own all-reduces as bars, run the steps inside :func:`mgtutor.record_trace`: torch's
-profiler records each one as the process group ran it and adds it here as an "allreduce" record.
-:meth:`StepTimer.watch_allreduce` is another view: it *replaces* DDP's built-in C++ all-reduce
-with a Python communication hook that does the same arithmetic and times itself, so it times the
-hook, not DDP's own all-reduce. :meth:`StepTimer.watch_gradients` records the moment each
-parameter's gradient was written.
+Under DDP the gradient all-reduce runs inside ``loss.backward()``: to see DDP's own all-reduces
+as "allreduce" records, run the steps inside :func:`mgtutor.record_trace`.
 """
 
 from __future__ import annotations
@@ -178,12 +154,9 @@ class StepTimer:
     def watch_allreduce(self, ddp_model: Any) -> None:
         """Replace DDP's all-reduce with a Python hook that times itself as "allreduce" records.
 
-        Registers a communication hook that does what DDP's built-in C++ all-reduce does (divide
-        the bucket by the world size, then all-reduce it) and notes when each all-reduce was
-        launched and when it completed. On CPU the completion time is taken when gloo finishes;
-        on CUDA it is a CUDA event recorded once the result is ready on the stream. What it
-        times is the hook's all-reduce (Python, the GIL, a future's callback), not DDP's own:
-        for that, :func:`mgtutor.record_trace`.
+        The hook does what DDP's built-in all-reduce does (divide the bucket by the world size,
+        all-reduce it), so it times its own all-reduce (Python, the GIL, a future's callback),
+        not DDP's: for that, :func:`mgtutor.record_trace`.
 
         Args:
             ddp_model: a ``torch.nn.parallel.DistributedDataParallel`` model without a hook yet.
@@ -217,12 +190,10 @@ class StepTimer:
         ddp_model.register_comm_hook(state=None, hook=hook)
 
     def watch_gradients(self, module: Any) -> None:
-        """Record the moment autograd finishes each parameter's gradient, as a "gradient" record.
+        """Record the moment autograd writes each parameter's ``.grad``, as a "gradient" record.
 
-        A post-accumulate-grad hook on every parameter of ``module`` notes when that parameter's
-        ``.grad`` was written in the current step: a record whose start and end are that moment,
-        with ``nbytes`` the gradient's size. With :meth:`watch_allreduce` the records tell
-        whether an all-reduce was launched before the step's last gradient existed.
+        Each record is an instant (start equals end) with ``nbytes`` the gradient's size; with
+        :meth:`watch_allreduce` they tell whether an all-reduce began before the last gradient.
 
         Args:
             module: the model whose parameters to watch (a DDP model or the module it wraps).
@@ -242,11 +213,7 @@ class StepTimer:
         return self._step
 
     def add(self, record: PhaseRecord) -> None:
-        """Keep a record measured elsewhere (:func:`mgtutor.record_trace`'s collectives).
-
-        Args:
-            record: times on this timer's axis (``perf_counter`` seconds).
-        """
+        """Keep a record measured elsewhere (record_trace's), its times in perf_counter seconds."""
         self._added.append(record)
 
     def records(self) -> list[PhaseRecord]:
@@ -292,8 +259,7 @@ def step(samples: int | None = None) -> Any:
 def collect_records(clear: bool = False) -> list[PhaseRecord]:
     """Every record of every timer made in this process (the launch sends them to the parent).
 
-    Args:
-        clear: forget the records once collected, so a pool's next call starts with none.
+    ``clear`` forgets them once collected, so that a pool's next call starts with none.
     """
     out: list[PhaseRecord] = []
     for t in _registry:

@@ -1,24 +1,12 @@
 """Dropout's random numbers under tensor and sequence parallelism: Megatron-LM's two RNG states.
 
-Ranks of a tensor-parallel group that hold the same activation (a replicated region: after g's
-all-reduce) must drop the same elements, or their copies drift apart; ranks that hold different
-data (their own heads, or under sequence parallelism their own tokens) must draw independent
-masks, or every rank drops the same positions of its part. Megatron-LM
-(``megatron/core/tensor_parallel/random.py``, ``model_parallel_cuda_manual_seed``) keeps two
-states for this:
-
-* the default generator, seeded ``seed`` alike on every rank of the group, for the replicated
-  regions;
-* a tracked state seeded ``seed + 2718 + tp_rank``, entered with ``fork()`` for the attention's
-  dropout (its heads are split) and, under sequence parallelism, for the whole layer.
-
-:class:`RNGStatesTracker` is that tracked state for one device; :func:`model_parallel_seed`
-seeds both. :class:`mgtutor.parallel.gpt_layer.GPTLayer` takes a tracker as ``rng``.
-
-Recomputation must redraw the masks forward drew. ``torch.utils.checkpoint`` restores the default
-state only; Megatron-LM's ``CheckpointFunction`` (same file) saves and restores the tracked
-states too. Here the tracker does it when given to torch's checkpoint as
-``context_fn=tracker.checkpoint_contexts``; a fork inside a recomputation without it raises.
+Ranks of a tensor-parallel group that hold the same activation must drop the same elements, or
+their copies drift apart; ranks that hold different data (their own heads, or their own tokens
+under sequence parallelism) must draw independent masks. So, as in Megatron-LM
+(``megatron/core/tensor_parallel/random.py``), the default generator is seeded alike on every
+rank, and each rank's own state, an :class:`RNGStatesTracker`, is forked into where data differ.
+:func:`model_parallel_seed` seeds both; :class:`mgtutor.parallel.gpt_layer.GPTLayer` takes a
+tracker as ``rng``.
 """
 
 from __future__ import annotations
@@ -99,10 +87,10 @@ class RNGStatesTracker:
     ) -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
         """The two contexts ``torch.utils.checkpoint.checkpoint``'s ``context_fn`` returns.
 
-        The first, around the checkpointed forward, notes the tracked state; the second, around
-        its recomputation in backward, swaps that state in, so that every fork redraws
-        forward's numbers, and afterwards puts back the state it found (Megatron-LM's
-        ``CheckpointFunction`` does the same with its tracker's states).
+        ``torch.utils.checkpoint`` restores only the default state for a recomputation. With
+        these, the tracked state noted before the checkpointed forward is swapped in for its
+        recomputation, so that every fork redraws forward's numbers, and the state found is put
+        back afterwards (as Megatron-LM's ``CheckpointFunction`` does with its tracker's states).
 
         Example:
             >>> y = torch.utils.checkpoint.checkpoint(

@@ -1,25 +1,9 @@
 """LocalSGD and DiLoCo in the planner: what replicas that sync every H steps send and hold.
 
-The planner's ``method`` follows torchft 0.2.0's ``torchft/local_sgd.py``:
-
-* ``LocalSGD`` clones every parameter and all-reduces the clones to their mean after every
-  ``sync_every``-th optimizer step (``_average``); the clones are on the GPU until it ends.
-* ``DiLoCo`` keeps the anchor, the parameters at the last sync (``original_parameters``), on
-  ``backup_device``: the CPU by default (pinned), so no GPU memory. At the sync it holds on
-  the GPU the pseudo-gradients, anchor - parameters (``_save_grads``), and a copy of the local
-  parameters (``_save_local_parameters``); it all-reduces the pseudo-gradients and steps its
-  outer optimizer (``torch.optim.SGD``, Nesterov momentum, as torchft 0.2.0's own
-  ``torchft/_test/diloco_trainer.py`` builds it), whose momentum buffer torch keeps like the
-  gradient it is given: on the GPU. Streaming DiLoCo syncs fragments in turn, each once per
-  ``sync_every`` steps: the same bytes, spread.
-* LocalSGD sends the parameters, DiLoCo the pseudo-gradients, both in the parameters' dtype
-  (``Manager.allreduce`` does not quantize by default; DiLoCo's ``should_quantize`` is off by
-  default, LocalSGD has none). The planner counts float32 (:data:`SYNCED_BYTES`): the weights
-  the optimizer updates are float32 under torch's mixed precision (autocast, FSDP2's
-  ``MixedPrecisionPolicy``), where torchft sends them as they are; with 16-bit model weights
-  and float32 masters inside the optimizer (the planner's "mixed"), torchft would send the
-  16-bit copy, which the optimizer overwrites from its masters at the next step, so the
-  planner counts the masters' bytes instead: its choice, not torchft's.
+The planner's ``method`` follows torchft 0.2.0's ``torchft/local_sgd.py``: every ``sync_every``
+optimizer steps LocalSGD all-reduces the parameters to their mean; DiLoCo all-reduces the
+pseudo-gradients, anchor - parameters, and steps an outer optimizer. Streaming DiLoCo syncs
+fragments in turn, each once per ``sync_every`` steps: the same bytes, spread.
 """
 
 from __future__ import annotations
@@ -37,19 +21,23 @@ METHODS = {
 #: Each method's name in a layout's words (:attr:`mgtutor.plan.planner.Plan.layout`).
 NAMES = {"localsgd": "LocalSGD", "diloco": "DiLoCo"}
 
+# torchft 0.2.0 sends what it syncs in the parameters' dtype (``Manager.allreduce`` does not
+# quantize by default; DiLoCo's ``should_quantize`` is off by default; LocalSGD has none): float32
+# under torch's mixed precision (autocast, FSDP2's ``MixedPrecisionPolicy``). With 16-bit model
+# weights and float32 masters inside the optimizer (the planner's "mixed") torchft would send the
+# 16-bit copy, which the optimizer overwrites from its masters at the next step, so the planner
+# counts the masters' bytes: its choice, not torchft's.
 #: Bytes per parameter LocalSGD and DiLoCo all-reduce, and each of DiLoCo's outer momentum and
-#: sync buffers holds, in every precision: float32. torchft sends the parameters in their dtype;
-#: the planner counts the float32 weights the optimizer updates (see the module).
+#: sync buffers holds, in every precision: float32, the weights the optimizer updates.
 SYNCED_BYTES = 4
 
 
 def method_refusal(*, method: str, zero: int, sync_every: int) -> str | None:
     """Why the planner does not plan ``method`` with this ZeRO stage and ``sync_every``, or None.
 
-    LocalSGD and DiLoCo let each replica step alone for ``sync_every`` steps, so each must hold
-    its whole optimizer state and gradients: sharding them over the same data-parallel ranks
-    (ZeRO) would need the other replicas every step. torchft composes the two as replica groups
-    each sharded inside (FSDP within a group, DiLoCo across groups); the planner does not.
+    LocalSGD and DiLoCo replicas step alone between syncs, so each holds its whole optimizer
+    state and gradients: ZeRO over the same data-parallel ranks would need the others every
+    step. torchft composes the two as replica groups sharded inside; the planner does not.
     """
     if method not in METHODS:
         return f"method must be one of {sorted(METHODS)}, got {method!r}"
@@ -75,11 +63,18 @@ def sync_memory(method: str, held: int) -> dict[str, int]:
 
     LocalSGD: its clones (communication). DiLoCo: the pseudo-gradients and the local copy
     (communication) and the outer momentum (optimizer_state); the anchor is on the CPU. The
-    planner adds the sync buffers to everything else, an upper bound of the peak: without a
-    delay they live after backward has freed the activations; Streaming DiLoCo with a
-    ``fragment_sync_delay`` keeps one fragment's pseudo-gradients through the next steps, a
-    fragment's share of what is counted here.
+    planner adds these to everything else, an upper bound of the peak: without a delay they live
+    after backward has freed the activations; Streaming DiLoCo with a ``fragment_sync_delay``
+    keeps one fragment's pseudo-gradients through the next steps, a share of what is counted.
     """
+    # Where torchft 0.2.0's ``torchft/local_sgd.py`` keeps them. LocalSGD clones every parameter
+    # and all-reduces the clones to their mean (``_average``); the clones stay on the GPU until
+    # it ends. DiLoCo keeps its anchor, the parameters at the last sync (``original_parameters``),
+    # on ``backup_device``: the CPU by default (pinned). At the sync it holds on the GPU the
+    # pseudo-gradients (``_save_grads``) and a copy of the local parameters
+    # (``_save_local_parameters``); its outer optimizer, ``torch.optim.SGD`` with Nesterov
+    # momentum as ``torchft/_test/diloco_trainer.py`` builds it, keeps its momentum buffer like
+    # the gradient it is given: on the GPU.
     synced = held * SYNCED_BYTES
     if method == "localsgd":
         return {"communication": synced}
