@@ -50,6 +50,7 @@ __all__ = [
     "in_backward",
     "kind_of",
     "record_comms",
+    "record_ops",
 ]
 
 
@@ -267,3 +268,35 @@ def record_comms() -> Iterator[list[Comm]]:
     comms: list[Comm] = []
     with CommRecorder(comms):
         yield comms
+
+
+class _OpOrder(TorchDispatchMode):
+    """The dispatch mode behind :func:`record_ops`."""
+
+    def __init__(self, names: tuple[str, ...], ops: list[str]) -> None:
+        super().__init__()
+        self.names, self.ops = names, ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = str(func.overloadpacket)  # "aten.bmm", "c10d.send": public, unlike _opname
+        if name in self.names:
+            self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def record_ops(*names: str) -> Iterator[list[str]]:
+    """Inside a rank: which of the operators ``names`` ran while the block runs, in order.
+
+    Names are torch's "namespace.name", as :attr:`Comm.operator` writes them. It tells the order
+    of work, which byte counts cannot: whether a send was posted before the matrix products it
+    should overlap with.
+
+    Example:
+        >>> with record_ops("c10d.send", "aten.bmm") as ops:
+        ...     out = context.ring_attention(q, k, v, layout)
+        >>> ops[0]  # "c10d.send": the next block leaves before this one is computed
+    """
+    ops: list[str] = []
+    with _OpOrder(names, ops):
+        yield ops

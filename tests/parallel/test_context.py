@@ -16,12 +16,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 import mgtutor
 from mgtutor.parallel import context
-from mgtutor.parallel.comms import Comm, record_comms
+from mgtutor.parallel.comms import Comm, record_comms, record_ops
 
 SHAPE = (2, 3, 24, 8)  # batch, heads, sequence, head dimension: 24 divides by 2 x 3 ranks
 LAYOUTS = {"contiguous": context.split_contiguous, "zigzag": context.split_zigzag}
@@ -132,18 +131,7 @@ def test_needed_block_without_a_mask_is_the_whole_block() -> None:
 # --- the ring, on 3 ranks --------------------------------------------------------------------
 
 
-class _Order(TorchDispatchMode):
-    """The sends and matrix products run inside the block, in the order they ran."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        name = f"{func.namespace}.{func._opname}"
-        if name in ("c10d.send", "aten.mm", "aten.bmm"):
-            self.names.append(name)
-        return func(*args, **(kwargs or {}))
+_ORDERED = ("c10d.send", "aten.mm", "aten.bmm")  # the sends and the matrix products
 
 
 def _ring_worker(shape: tuple[int, ...]) -> dict[Any, Any]:
@@ -157,14 +145,15 @@ def _ring_worker(shape: tuple[int, ...]) -> dict[Any, Any]:
             mine = layout[rank]
             local = [t[..., mine, :].clone().requires_grad_() for t in (q, k, v)]
             trace: list[dict] = []
-            with FlopCounterMode(display=False) as flops:  # the matmuls that ran
+            with FlopCounterMode(display=False) as flops, record_ops(*_ORDERED) as order:
                 out = context.ring_attention(*local, layout, causal=causal, trace=trace)
             (out * grad[..., mine, :]).sum().backward()
             results[name, causal] = {
                 "rows": mine,
                 "out": out.detach(),
                 "grads": [t.grad for t in local],
-                "flops": flops.get_total_flops(),
+                "flops": flops.get_total_flops(),  # the matmuls that ran
+                "order": order,
                 "times": all(
                     step[key] >= 0
                     for step in trace
@@ -188,9 +177,9 @@ def _ring_worker(shape: tuple[int, ...]) -> dict[Any, Any]:
     results["received"] = received
     local = [t[..., mine, :].clone().requires_grad_() for t in (q, k, v)]
     out = context.ring_attention(*local, layout, causal=False)
-    with _Order() as order, record_comms() as sent:
+    with record_ops(*_ORDERED) as order, record_comms() as sent:
         out.sum().backward()
-    results["backward"] = {"order": order.names, "sent": [c.sent for c in sent if c.sent]}
+    results["backward"] = {"order": order, "sent": [c.sent for c in sent if c.sent]}
     # Ulysses and the bytes each design sends, recorded as they run.
     with record_comms() as ring_bytes:
         context.ring_attention(*[t[..., mine, :] for t in (q, k, v)], layout, causal=True)
@@ -245,6 +234,16 @@ def test_blocks_arrive_from_the_left_read_from_their_values() -> None:
     # outputs without a mask; only the values received tell the direction.
     for rank, result in enumerate(_ring_run()):
         assert result["received"] == [(rank - step) % WORLD for step in range(WORLD)]
+
+
+def test_forward_sends_the_next_block_before_computing() -> None:
+    # Step 0 computes with the rank's own block, after posting its send: the send comes first,
+    # with the mask or without, on every rank. A send posted after the work fails it.
+    for result in _ring_run():
+        for name in LAYOUTS:
+            for causal in (False, True):
+                order = result[name, causal]["order"]
+                assert order[0] == "c10d.send" and order.count("c10d.send") == WORLD - 1, order
 
 
 def test_backward_sends_the_next_block_before_computing() -> None:
