@@ -21,10 +21,12 @@ import re
 import signal
 import sys
 from dataclasses import dataclass
+from typing import Literal
 
 __all__ = [
     "FORK_SAFE_PYTHON",
     "Build",
+    "StartMethod",
     "loader_context",
     "loader_start_method",
     "needs_torchvision",
@@ -43,6 +45,9 @@ PYTORCH_INDEX = "https://download.pytorch.org/whl"
 #: 3.10.15 and 3.11.10, released 2024-09-07; see :func:`loader_start_method`). Earlier minor
 #: versions are out of scope (mgtutor needs 3.10); later ones have the fix.
 FORK_SAFE_PYTHON = {10: (3, 10, 15), 11: (3, 11, 10), 12: (3, 12, 0)}
+
+#: How mgtutor can start rank processes: no "fork" (see :func:`rank_start_method`).
+StartMethod = Literal["forkserver", "spawn"]
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ class Build:
         return _fork_safe(self.os, self.start_methods)
 
     @property
-    def rank_start_method(self) -> str:
+    def rank_start_method(self) -> StartMethod:
         """How mgtutor starts ranks by default here: "forkserver" where forking is safe, else
         "spawn" (see :func:`rank_start_method`)."""
         return _rank_start_method(self.os, self.start_methods)
@@ -173,12 +178,12 @@ def _python_version() -> tuple[int, int, int]:
     return major, minor, micro
 
 
-def _rank_start_method(os: str, start_methods: tuple[str, ...]) -> str:
+def _rank_start_method(os: str, start_methods: tuple[str, ...]) -> StartMethod:
     forkserver = _fork_safe(os, start_methods) and "forkserver" in start_methods
     return "forkserver" if forkserver else "spawn"
 
 
-def rank_start_method() -> str:
+def rank_start_method() -> StartMethod:
     """How mgtutor starts ranks by default: "forkserver" on Linux, "spawn" on macOS.
 
     mgtutor's forkserver imports torch once and forks every rank from it. On macOS a fork child

@@ -40,7 +40,7 @@ def _torch_dir() -> str:
 _TORCH_DIR = _torch_dir()
 
 
-def as_record(rank: int, dump: Any) -> dict[str, Any]:
+def as_record(rank: int, dump: object) -> dict[str, Any]:
     """A rank's record from what the caller has: an own_dump dict, its bytes, or torch's dump."""
     if isinstance(dump, (bytes, bytearray)):
         dump = pickle.loads(dump)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import cloudpickle
@@ -91,7 +91,7 @@ class _CollectiveGuard:
     function, so that each rank takes part in as many exchanges as the others.
     """
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: object) -> None:
         from torch.distributed import distributed_c10d
 
         self.group = group
@@ -186,7 +186,7 @@ def run(payload: bytes, index: int, folder: str | None) -> list[Finding]:
     return findings
 
 
-def _shape_text(shape: Any) -> str:
+def _shape_text(shape: Iterable[int]) -> str:
     return str(tuple(shape))
 
 
@@ -249,7 +249,7 @@ def _diagnose_checked(
     case: str,
     inputs: list[torch.Tensor],
     tensor: torch.Tensor,
-    returned: Any,
+    returned: object,
     failure: LearnerFailed | None,
     desync: list[dict[str, Any]] | None,
     others: list[dict[str, Any]] | None,

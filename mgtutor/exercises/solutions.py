@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
 
 __all__ = [
     "accumulate",
@@ -69,7 +73,9 @@ def exact_accuracy(correct: torch.Tensor, sampler: Any) -> float:
     return (counts[0] / counts[1]).item()
 
 
-def accumulate(model: Any, optimizer: Any, micro_batches: list, k: int) -> None:
+def accumulate(
+    model: DistributedDataParallel, optimizer: torch.optim.Optimizer, micro_batches: list, k: int
+) -> None:
     """Train through ``micro_batches`` with one optimizer step (and one all-reduce) per k."""
     for start in range(0, len(micro_batches), k):
         window = micro_batches[start : start + k]  # the last one may hold fewer than k
@@ -283,7 +289,12 @@ def plan_dispatch(
 __all__ += ["gpipe_step"]
 
 
-def gpipe_step(stage_module: Any, micro_batches: list, targets: list, loss_fn: Any) -> None:
+def gpipe_step(
+    stage_module: torch.nn.Module,
+    micro_batches: list,
+    targets: list,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> None:
     """One GPipe step of stage ``rank``: every micro-batch forward, then every one backward."""
     rank, world = dist.get_rank(), dist.get_world_size()
     kept, sends = [], []

@@ -23,7 +23,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from mgtutor.measure.cpu_timing import (
     elementwise_timers,
@@ -36,6 +36,9 @@ from mgtutor.measure.cpu_timing import (
 from mgtutor.plan.compute_time import Device
 from mgtutor.plan.machine import DDP_BUCKET_BYTES, Hardware, Link
 from mgtutor.plan.shape import Transformer
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "CHECK_MODEL",
@@ -140,7 +143,9 @@ def at_rate(hardware: Hardware, extra: dict[str, Any], ranks: int, rate: float) 
     return scaled(hardware, rate / extra[CLOCKS["cpu"].reference_key], factor)
 
 
-def _mean_seconds(fn: Any, calls: int, work: Any = None) -> float:
+def _mean_seconds(
+    fn: Callable[[], object], calls: int, work: Callable[[], object] | None = None
+) -> float:
     """Mean seconds of ``calls`` calls of ``fn`` (every rank the same count), each after an
     untimed call of ``work``."""
     total = 0.0
@@ -153,7 +158,12 @@ def _mean_seconds(fn: Any, calls: int, work: Any = None) -> float:
     return total / calls
 
 
-def _together_mean(call: Any, calls: int, work: Any, per_call: int = 1) -> float:
+def _together_mean(
+    call: Callable[..., object],
+    calls: int,
+    work: Callable[[], object] | None,
+    per_call: int = 1,
+) -> float:
     """:func:`_mean_seconds` of one of ``per_call`` collectives in ``call``, after a barrier and
     one untimed call (whatever ran before ended at a different moment on each rank)."""
     import torch.distributed as dist
@@ -163,7 +173,7 @@ def _together_mean(call: Any, calls: int, work: Any, per_call: int = 1) -> float
     return _mean_seconds(call, calls, work) / per_call
 
 
-def needs_gloo_ranks(pool: Any) -> None:
+def needs_gloo_ranks(pool: object) -> None:
     """Raise ValueError unless ``pool`` has 2 gloo ranks: the check's tensors stay on the CPU,
     which NCCL (what :func:`mgtutor.setup` picks where each rank has a GPU) cannot reduce."""
     if getattr(pool, "world_size", 2) != 2 or getattr(pool, "backend", "gloo") != "gloo":
@@ -173,7 +183,7 @@ def needs_gloo_ranks(pool: Any) -> None:
         )
 
 
-def _ping(t: Any, rank: int) -> None:
+def _ping(t: torch.Tensor, rank: int) -> None:
     """Rank 0 sends ``t`` to rank 1, which sends it back: two sends."""
     import torch.distributed as dist
 
@@ -185,7 +195,7 @@ def _ping(t: Any, rank: int) -> None:
         dist.send(t, 0)
 
 
-def small_calls(model: Transformer) -> dict[str, Any]:
+def small_calls(model: Transformer) -> dict[str, Callable[[int], float]]:
     """Timers of the smallest collectives a step of ``model`` sends on 2 ranks (one
     micro-batch's activation): ``"all_reduce"`` (TP's) and ``"send"`` (the pipeline's), each
     taking a call count and returning one call's mean seconds, timed after a product."""
@@ -241,9 +251,9 @@ def _calibrate_rank(model: Transformer, sizes: list[int], window: float, calls: 
             dist.barrier()
             flops = 2.0 * key[0] * key[1] * key[2] * shape[3]
             out["gemm"].setdefault(key, flops / seconds_per_call(fn, window, time.process_time))
-    for kind, (fn, elements) in elementwise_timers(model).items():
+    for kind, (op, elements) in elementwise_timers(model).items():
         dist.barrier()
-        out["elementwise"][kind] = seconds_per_call(fn, window, time.process_time) / elements
+        out["elementwise"][kind] = seconds_per_call(op, window, time.process_time) / elements
     out["reference"] = reference_rate(model, window, time.process_time)
     out["reference_wall"] = reference_rate(model, window)
     src = torch.randn(model.total)

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
 
-from mgtutor.build import rank_start_method
+from mgtutor.build import StartMethod, rank_start_method
 from mgtutor.errors import ArgumentError
 from mgtutor.worker import BACKENDS
 
@@ -26,13 +25,13 @@ __all__ = [
 START_METHODS = ("forkserver", "spawn")
 
 
-def default_start_method() -> str:
+def default_start_method() -> StartMethod:
     """How ranks start unless told: a forkserver where forking after torch is safe (Linux),
     else spawn (macOS: see :func:`mgtutor.build.rank_start_method`)."""
     return rank_start_method()
 
 
-def backend_asked_for(backend: Any) -> Any:
+def backend_asked_for(backend: str | None) -> str | None:
     """backend, else this process's MGTUTOR_BACKEND (each rank's setup() reads it), else None.
 
     Raises:
@@ -47,7 +46,7 @@ def backend_asked_for(backend: Any) -> Any:
     )
 
 
-def check_seconds(name: str, value: Any) -> None:
+def check_seconds(name: str, value: object) -> None:
     """Refuse a time limit that is not a positive number of seconds or None (no limit)."""
     if value is not None and (
         isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0
@@ -57,7 +56,9 @@ def check_seconds(name: str, value: Any) -> None:
         )
 
 
-def check_arguments(world_size: Any, backend: Any, start_timeout: Any, start_method: Any) -> None:
+def check_arguments(
+    world_size: object, backend: object, start_timeout: object, start_method: object
+) -> None:
     """Refuse a pool's bad arguments before any process starts, saying what to pass instead."""
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise ArgumentError(f"world_size must be a whole number, got {world_size!r}")

@@ -16,7 +16,7 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mgtutor.hardware import loopback_interface
 from mgtutor.launcher import lifetime
@@ -25,6 +25,14 @@ from mgtutor.launcher._relay import RankOutput
 from mgtutor.rank.loop import RankSpec, die_with_parent, rank_main
 from mgtutor.wire.messages import Context
 from mgtutor.worker import INIT_BARRIER_ENV
+
+if TYPE_CHECKING:
+    from multiprocessing.context import ForkServerContext, SpawnContext
+    from types import FrameType
+
+    from torch.distributed import TCPStore
+
+    from mgtutor.build import StartMethod
 
 # What the forkserver imports once, so that ranks forked from it need not. torch._dynamo is
 # here because DDP's constructor imports it: about 2.4 s per rank on a quiet 2-core machine,
@@ -61,7 +69,7 @@ _INHERITED_RENDEZVOUS = (
 _classic_store_needed = False
 
 
-def host_store(world_size: int) -> Any:
+def host_store(world_size: int) -> TCPStore:
     """Host the rendezvous store in this process, listening on 127.0.0.1 only.
 
     A store that rank 0 hosts (plain ``env://``) listens on every interface, and a port chosen
@@ -86,7 +94,7 @@ def host_store(world_size: int) -> Any:
         "timeout": datetime.timedelta(seconds=300),
     }
 
-    def store_on_a_new_socket(**implementation: Any) -> Any:
+    def store_on_a_new_socket(**implementation: Any) -> TCPStore:
         listener = listening_socket()
         port = listener.getsockname()[1]
         fd = listener.detach()  # the store owns it from here
@@ -169,7 +177,7 @@ def worker_environment(world_size: int, backend: str | None, port: int) -> dict[
 
 
 def start_rank(
-    ctx: Any,
+    ctx: SpawnContext | ForkServerContext,
     rank: int,
     common: dict[str, str | None],
     context: Context,
@@ -267,7 +275,7 @@ def _die_with_the_notebook_if_server() -> None:
 _server_pid: int | None = None
 
 
-def _end_ranks_then_exit(signum: int, frame: Any) -> None:
+def _end_ranks_then_exit(signum: int, frame: FrameType | None) -> None:
     """The forkserver's SIGTERM: kill each rank it forked, with the rank's group, then exit."""
     pid = os.getpid()
     if pid != _server_pid:  # a rank forked before it put back SIGTERM's default
@@ -299,7 +307,7 @@ def _children_from_psutil(pid: int) -> list[int]:
         return []
 
 
-def _parent_of_ranks(ctx: Any) -> int | None:
+def _parent_of_ranks(ctx: SpawnContext | ForkServerContext) -> int | None:
     """The parent a rank started with ``ctx`` must die with, or None (see die_with_parent)."""
     import threading
 
@@ -312,8 +320,10 @@ def _parent_of_ranks(ctx: Any) -> int | None:
     return os.getpid() if threading.current_thread() is threading.main_thread() else None
 
 
-def context_for(method: str) -> Any:
+def context_for(method: StartMethod) -> Any:
     """The multiprocessing context that starts ranks with ``method``, its server preloaded."""
+    # Any: a SpawnContext or ForkServerContext, but torch.multiprocessing types get_context's
+    # result as BaseContext, which has no Process.
     import torch.multiprocessing as mp
 
     ctx = mp.get_context(method)

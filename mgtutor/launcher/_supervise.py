@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mgtutor.errors import WorkerInterrupted, WorkerTimeout
 from mgtutor.launcher import _cleanup, _report
@@ -35,6 +35,9 @@ from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher._report import PAUSED_HOW, Wording, ranks_named
 from mgtutor.launcher._watch import POLL_S, RankWatch, ended_sentinels
 from mgtutor.launcher.progress_bars import ProgressBoard
+
+if TYPE_CHECKING:
+    from mgtutor.wire.messages import Exit
 
 _DRAIN_GRACE_S = 1.0
 _STACK_WAIT_S = 2.0
@@ -445,7 +448,7 @@ class Supervisor(RankWatch):
             self._pump(0.05)
             self._reap()
 
-    def close(self, exit_message: Any) -> None:
+    def close(self, exit_message: Exit) -> None:
         """End every rank: ask each to exit, stop one that does not, then close every pipe.
 
         A rank whose process does not end after it was asked (a non-daemon thread, a child

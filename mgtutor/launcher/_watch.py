@@ -17,7 +17,7 @@ from typing import Any
 
 from mgtutor.launcher._handle import RankHandle
 from mgtutor.launcher.progress_bars import ProgressBoard
-from mgtutor.wire.messages import Done, Failed, Hello, Progress, Ready
+from mgtutor.wire.messages import Call, Done, Exit, Failed, Hello, Progress, Ready
 
 __all__ = ["POLL_S", "RankWatch", "ended_sentinels"]
 
@@ -45,7 +45,7 @@ class RankWatch:
         """Watch one more started rank."""
         self.handles.append(handle)
 
-    def send(self, h: RankHandle, message: Any) -> bool:
+    def send(self, h: RankHandle, message: Call | Exit) -> bool:
         """Send a message to a rank; False when its pipe is closed (the rank has gone)."""
         return self.send_pickled(h, ForkingPickler.dumps(message))  # as Connection.send does
 

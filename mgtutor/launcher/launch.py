@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mgtutor.launcher._arguments import START_METHODS, default_start_method
 from mgtutor.launcher._handle import with_wall_time
@@ -17,6 +17,9 @@ from mgtutor.launcher._report import Wording
 from mgtutor.launcher._supervise import Supervisor
 from mgtutor.launcher.pool import Pool
 from mgtutor.launcher.run import Run
+
+if TYPE_CHECKING:
+    from mgtutor.build import StartMethod
 
 __all__ = ["launch", "START_METHODS", "default_start_method"]
 
@@ -50,7 +53,7 @@ def launch(
     backend: str | None = None,
     timeout: float | None = None,
     start_timeout: float | None = 300.0,
-    start_method: str | None = None,
+    start_method: StartMethod | None = None,
     quiet: bool = False,
     **kwargs: Any,
 ) -> Run:

@@ -45,7 +45,7 @@ _RECHECK_S = 30.0
 class _Watched:
     """What the clock knows of one pool: its timeout, its last call, whether it stopped it."""
 
-    def __init__(self, timeout: Any) -> None:
+    def __init__(self, timeout: float | str | None) -> None:
         self.timeout = timeout
         self.last_used = time.monotonic()
         self.stopped_after: float | None = None
@@ -59,7 +59,7 @@ _server_stopped_after: float | None = None
 _thread_pid: int | None = None
 
 
-def idle_timeout(given: Any = FROM_ENVIRONMENT) -> float | None:
+def idle_timeout(given: float | str | None = FROM_ENVIRONMENT) -> float | None:
     """Seconds idle processes are kept: ``given``, else ``MGTUTOR_IDLE_TIMEOUT``, else 600.
 
     Returns:
@@ -134,7 +134,7 @@ def keeps_busy(method: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-def watch(pool: Any, timeout: Any = FROM_ENVIRONMENT) -> None:
+def watch(pool: Any, timeout: float | str | None = FROM_ENVIRONMENT) -> None:
     """Stop ``pool``'s ranks once they had no call for ``timeout`` seconds (see the module)."""
     idle_timeout(timeout)  # refuse a bad value now, not in the clock's thread
     with _clock:
@@ -262,7 +262,7 @@ def _keep_time() -> None:
             _clock.wait(_stop_what_is_idle(time.monotonic()))
 
 
-def _timeout_or_keep(given: Any) -> float | None:
+def _timeout_or_keep(given: float | str | None) -> float | None:
     try:
         return idle_timeout(given)
     except ArgumentError:

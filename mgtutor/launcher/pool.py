@@ -32,7 +32,7 @@ import shutil
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mgtutor.doctor import DUMP_PATH_ENV
 from mgtutor.errors import ArgumentError, PoolClosed
@@ -52,6 +52,11 @@ from mgtutor.launcher.progress_bars import ProgressBoard
 from mgtutor.launcher.run import Run
 from mgtutor.rank import namespace
 from mgtutor.wire.messages import Call, Exit
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+    from mgtutor.build import StartMethod
 
 __all__ = ["Pool"]
 
@@ -127,7 +132,7 @@ class Pool:
         backend: str | None = None,
         *,
         start_timeout: float | None = 300.0,
-        start_method: str | None = None,
+        start_method: StartMethod | None = None,
         join_group: bool = True,
         idle_timeout: float | None | str = lifetime.FROM_ENVIRONMENT,
         _wording: Wording | None = None,
@@ -147,7 +152,7 @@ class Pool:
         self._wording = _wording or self._default_wording
         self._calls = 0
         self._supervisor: Supervisor | None = None
-        self._store: Any = None
+        self._store: TCPStore | None = None
         self.closed = False
         self.started_at = 0.0
         # Where relayed lines go instead of the cell, as sink(rank, stream, text): %%ddp's tabs.

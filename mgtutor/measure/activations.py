@@ -71,7 +71,7 @@ class LiveTensors(TorchDispatchMode):
         gc.disable()
         return super().__enter__()
 
-    def __exit__(self, *exc_info: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         try:
             super().__exit__(*exc_info)
         finally:
@@ -154,7 +154,7 @@ class SavedActivations:
         self.peak = 0
         self._saved: list[weakref.ref] = []
         self._excluded: set[int] = set()
-        self._contexts: list[Any] = []
+        self._contexts: list[torch.autograd.graph.saved_tensors_hooks] = []
         self._handles = [
             module.register_forward_pre_hook(self._enter),
             module.register_forward_hook(self._exit, always_call=True),
@@ -180,7 +180,7 @@ class SavedActivations:
             handle.remove()
         self._handles.clear()
 
-    def _enter(self, module: Any, args: Any) -> None:
+    def _enter(self, module: torch.nn.Module, args: object) -> None:
         if not self._contexts:  # the outermost forward: what the module holds is not saved
             state = list(module.parameters()) + list(module.buffers())
             self._excluded = {s.data_ptr() for s in map(_storage, state) if s is not None}
@@ -188,7 +188,7 @@ class SavedActivations:
         context.__enter__()
         self._contexts.append(context)
 
-    def _exit(self, module: Any, args: Any, output: Any) -> None:
+    def _exit(self, module: torch.nn.Module, args: object, output: object) -> None:
         if self._contexts:
             self._contexts.pop().__exit__(None, None, None)
         if not self._contexts:
@@ -225,7 +225,7 @@ def _storage(tensor: torch.Tensor | None) -> torch.UntypedStorage | None:
     return storage
 
 
-def _data_ptr(tensor: Any) -> int | None:
+def _data_ptr(tensor: object) -> int | None:
     """The address of a tensor's storage; None for a non-tensor or a tensor without one."""
     if not isinstance(tensor, torch.Tensor):
         return None

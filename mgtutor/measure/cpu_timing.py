@@ -16,10 +16,16 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from mgtutor.plan.compute_time import product_shapes
 from mgtutor.plan.shape import Transformer
+
+if TYPE_CHECKING:
+    import torch
+
+_T = TypeVar("_T")
 
 __all__ = [
     "COLD_BYTES",
@@ -48,7 +54,7 @@ def gemm_shapes(model: Transformer, tps: tuple[int, ...] = (1, 2)) -> list[tuple
 COLD_BYTES = 64 * 2**20
 
 
-def _cold(make: Any, nbytes: float) -> Any:
+def _cold(make: Callable[[], _T], nbytes: float) -> Callable[[], _T]:
     """A function returning ``make()``'s instances in turn, enough of them to fill
     :data:`COLD_BYTES` (``nbytes`` each)."""
     import itertools
@@ -56,7 +62,9 @@ def _cold(make: Any, nbytes: float) -> Any:
     return itertools.cycle([make() for _ in range(max(1, math.ceil(COLD_BYTES / nbytes)))]).__next__
 
 
-def product_timers(shape: tuple[int, ...]) -> dict[tuple[int, int, int], Any]:
+def product_timers(
+    shape: tuple[int, ...],
+) -> dict[tuple[int, int, int], Callable[[], torch.Tensor]]:
     """The three products of one forward product of ``shape``, as autograd runs them: keyed
     (rows, inner, cols) forward, (rows, cols, inner) for the input's gradient and (inner, rows,
     cols) for the weight's (a linear: ``x @ w.T``, ``g @ w``, ``g.T @ x``; the attention core:
@@ -70,17 +78,17 @@ def product_timers(shape: tuple[int, ...]) -> dict[tuple[int, int, int], Any]:
         take = _cold(lambda: (torch.randn(n, rows, inner), torch.randn(n, inner, cols),
                               torch.randn(n, rows, cols)), nbytes)  # fmt: skip
 
-        def fwd() -> Any:  # GPTLayer scales q kᵀ in the product: baddbmm, as it runs it
+        def fwd() -> torch.Tensor:  # GPTLayer scales q kᵀ in the product: baddbmm, as it runs it
             a, b, g = take()
             if rows == cols:
                 return torch.baddbmm(g, a, b, beta=0.0, alpha=0.125)
             return torch.bmm(a, b)
 
-        def dgrad() -> Any:
+        def dgrad() -> torch.Tensor:
             _, b, g = take()
             return torch.bmm(g, b.transpose(1, 2))
 
-        def wgrad() -> Any:
+        def wgrad() -> torch.Tensor:
             a, _, g = take()
             return torch.bmm(a.transpose(1, 2), g)
 
@@ -88,15 +96,15 @@ def product_timers(shape: tuple[int, ...]) -> dict[tuple[int, int, int], Any]:
     take = _cold(lambda: (torch.randn(rows, inner), torch.randn(cols, inner),
                           torch.randn(rows, cols)), nbytes)  # fmt: skip
 
-    def linear() -> Any:
+    def linear() -> torch.Tensor:
         x, w, _ = take()
         return x @ w.T
 
-    def linear_dgrad() -> Any:
+    def linear_dgrad() -> torch.Tensor:
         _, w, g = take()
         return g @ w
 
-    def linear_wgrad() -> Any:
+    def linear_wgrad() -> torch.Tensor:
         x, _, g = take()
         return g.T @ x
 
@@ -107,7 +115,11 @@ def product_timers(shape: tuple[int, ...]) -> dict[tuple[int, int, int], Any]:
     }
 
 
-def seconds_per_call(fn: Any, min_seconds: float, clock: Any = time.perf_counter) -> float:
+def seconds_per_call(
+    fn: Callable[[], object],
+    min_seconds: float,
+    clock: Callable[[], float] = time.perf_counter,
+) -> float:
     """Mean seconds of ``fn`` on ``clock`` over calls lasting at least ``min_seconds`` in all: a
     mean over a window, as a step loses its share of the machine's time slices to whatever else
     runs. ``clock=time.process_time``: the CPU seconds this process spent, which other work on
@@ -123,12 +135,12 @@ def seconds_per_call(fn: Any, min_seconds: float, clock: Any = time.perf_counter
             return elapsed / calls
 
 
-def gemm_timer(shape: tuple[int, ...]) -> Any:
+def gemm_timer(shape: tuple[int, ...]) -> Callable[[], torch.Tensor]:
     """A timer of the forward product of ``shape`` (rows, inner, cols, count)."""
     return product_timers(shape)[(shape[0], shape[1], shape[2])]
 
 
-def elementwise_timers(model: Transformer) -> dict[str, tuple[Any, int]]:
+def elementwise_timers(model: Transformer) -> dict[str, tuple[Callable[[], None], int]]:
     """Each memory-bound operation of a GPT layer, forward and backward, and its elements:
     LayerNorm and the residual add over b·s·h, the softmax over the scaled scores with the
     causal mask added, GeLU over b·s·ffn."""
@@ -140,10 +152,11 @@ def elementwise_timers(model: Transformer) -> dict[str, tuple[Any, int]]:
     mask = torch.full((s, s), float("-inf")).triu(1)
     norm = torch.nn.LayerNorm(h)
 
-    def leaf(*shape: int) -> Any:
+    def leaf(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, requires_grad=True)
 
-    def both_ways(out: Any, grad: Any, *leaves: Any) -> None:  # autograd takes the buffer
+    def both_ways(out: torch.Tensor, grad: torch.Tensor, *leaves: torch.Tensor) -> None:
+        # autograd takes the buffer
         for t in (*leaves, *norm.parameters()):
             t.grad = None
         out.backward(grad)
@@ -154,13 +167,13 @@ def elementwise_timers(model: Transformer) -> dict[str, tuple[Any, int]]:
     ws = (leaf(b, s, ffn), torch.randn(b, s, ffn))
     ss = (leaf(b * a, s, s), torch.randn(b * a, s, s))
 
-    def take_x() -> Any:
+    def take_x() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return xs
 
-    def take_w() -> Any:
+    def take_w() -> tuple[torch.Tensor, torch.Tensor]:
         return ws
 
-    def take_s() -> Any:
+    def take_s() -> tuple[torch.Tensor, torch.Tensor]:
         return ss
 
     def layernorm() -> None:
@@ -188,7 +201,9 @@ def elementwise_timers(model: Transformer) -> dict[str, tuple[Any, int]]:
     }
 
 
-def reference_rate(model: Transformer, window: float, clock: Any = time.perf_counter) -> float:
+def reference_rate(
+    model: Transformer, window: float, clock: Callable[[], float] = time.perf_counter
+) -> float:
     """FLOP/s of the MLP's first product of ``model``, over ``window`` seconds of ``clock``: how
     fast this rank computes now (:func:`scaled` moves every calibrated rate by its change)."""
     h = model.hidden

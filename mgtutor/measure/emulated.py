@@ -26,6 +26,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mgtutor.plan.compute_time import Device, gemm_seconds, product_shapes
+from mgtutor.plan.shape import Transformer
 
 __all__ = [
     "EmulatedLayer",
@@ -51,6 +53,7 @@ __all__ = [
 #: Real width of every tensor: each layer's four weights are 1 MiB of float32, so that DDP puts
 #: one layer in each bucket whatever its first bucket's size (1 MiB in torch 2.11, the cap later).
 REAL_HIDDEN = 256
+# new_group's type allows a rank outside the group; every rank is in this one.
 _GROUP: list[Any] = []
 #: A late wake-up shorter than this is the host's, not the device's: the next block still ends
 #: its seconds after the previous one's end, as a GPU's queued kernels do. On a 2-core machine
@@ -90,7 +93,7 @@ def device_resume(at: float) -> None:
     _DEVICE["end"] = max(_DEVICE["end"], at)
 
 
-def emulated_device(model: Any, tp: int, rate: float, slow_wgrad: float = 1.0) -> Device:
+def emulated_device(model: Transformer, tp: int, rate: float, slow_wgrad: float = 1.0) -> Device:
     """A device running every product of ``model``'s layer (on one of ``tp`` ranks) at ``rate``
     FLOP/s, but the column-parallel weight gradients ``slow_wgrad`` times slower (a longer
     product for TP's backward all-reduce to hide behind); no memory-bound operation."""
@@ -105,7 +108,7 @@ def emulated_device(model: Any, tp: int, rate: float, slow_wgrad: float = 1.0) -
     return Device("emulated GPU", gemm_rates=rates)
 
 
-def wire_group() -> Any:
+def wire_group() -> dist.ProcessGroup:
     """This rank's gloo group for wires (made once per process; every rank must call it)."""
     if not _GROUP:
         _GROUP.append(dist.new_group(backend="gloo"))
@@ -113,8 +116,9 @@ def wire_group() -> Any:
 
 
 class _Transfer:
-    def __init__(self, seconds: float, then: Any = None) -> None:
-        self.seconds, self.then, self.done = seconds, then, threading.Event()
+    def __init__(self, seconds: float, then: Callable[[], object] | None = None) -> None:
+        self.seconds, self.done = seconds, threading.Event()
+        self.then: Any = then  # the wire's thread puts its exception here
         self.issued = time.time()  # the ranks compare these: one clock for the machine
         self.end = 0.0  # when it ended on the wire (time.perf_counter)
 
@@ -157,7 +161,7 @@ class Wire:
                 job.then = exc
             job.done.set()
 
-    def start(self, nbytes: float, then: Any = None) -> _Transfer:
+    def start(self, nbytes: float, then: Callable[[], object] | None = None) -> _Transfer:
         """Queue a transfer of ``nbytes``; ``then()`` runs on the wire's thread when it ends."""
         job = _Transfer(nbytes / self.bandwidth, then)
         self._jobs.put(job)
@@ -210,8 +214,9 @@ class _Block(torch.autograd.Function):
     overlap) or after it."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, seconds: Any,
-                reduce: Any) -> torch.Tensor:  # fmt: skip
+    def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                seconds: tuple[float, float, float],
+                reduce: tuple[Wire, float, bool] | None) -> torch.Tensor:  # fmt: skip
         ctx.save_for_backward(x, a, b)
         ctx.seconds, ctx.reduce = seconds, reduce
         if not x.is_meta:
@@ -219,7 +224,9 @@ class _Block(torch.autograd.Function):
         return x @ a @ b
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+    def backward(
+        ctx: Any, grad: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, None, None]:
         x, a, b = ctx.saved_tensors
         device_sleep(ctx.seconds[1])
         h = x @ a
@@ -249,7 +256,7 @@ class _AllReduce(torch.autograd.Function):
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return grad, None, None
 
 
@@ -271,7 +278,7 @@ class EmulatedLayer(nn.Module):
     """
 
     def __init__(
-        self, model: Any, device: Device, tp: int = 1, wire: Wire | None = None,
+        self, model: Transformer, device: Device, tp: int = 1, wire: Wire | None = None,
         overlap: bool = True,
     ) -> None:  # fmt: skip
         super().__init__()
@@ -351,7 +358,7 @@ class _StampFn(torch.autograd.Function):
         return torch.cat([x, torch.zeros_like(x[:, :1])], 1) if x.is_meta else _stamp(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _arrive(grad, ctx.seconds).contiguous(), None
 
 
@@ -361,7 +368,7 @@ class _UnstampFn(torch.autograd.Function):
         return _arrive(x, seconds).contiguous()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return _stamp(grad), None
 
 

@@ -18,7 +18,13 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["PhaseRecord", "StepTimer", "timer", "phase", "step"]
 
@@ -55,7 +61,7 @@ class PhaseRecord:
 class _CudaClock:
     """Timestamps from CUDA events, placed on the perf_counter axis through one anchor."""
 
-    def __init__(self, device: Any) -> None:
+    def __init__(self, device: str) -> None:
         import torch
 
         self._torch = torch
@@ -67,12 +73,12 @@ class _CudaClock:
         self._anchor = torch.cuda.Event(enable_timing=True)
         self._anchor.record(self._stream)
 
-    def mark(self) -> Any:
+    def mark(self) -> torch.cuda.Event:
         event = self._torch.cuda.Event(enable_timing=True)
         event.record(self._stream)
         return event
 
-    def resolve(self, mark: Any) -> float:
+    def resolve(self, mark: torch.cuda.Event) -> float:
         return self._anchor_time + self._anchor.elapsed_time(mark) / 1000.0
 
 
@@ -94,7 +100,9 @@ class StepTimer:
         ['forward', 'step']
     """
 
-    def __init__(self, device: Any = None, *, sync: bool = False, enabled: bool = True) -> None:
+    def __init__(
+        self, device: torch.device | str | None = None, *, sync: bool = False, enabled: bool = True
+    ) -> None:
         if device is None:
             from mgtutor.worker import current_device
 
@@ -151,7 +159,7 @@ class StepTimer:
         finally:
             self._pending.append((name, self._step, start, self._now(), samples, None))
 
-    def watch_allreduce(self, ddp_model: Any) -> None:
+    def watch_allreduce(self, ddp_model: DistributedDataParallel) -> None:
         """Replace DDP's all-reduce with a Python hook that times itself as "allreduce" records.
 
         The hook does what DDP's built-in all-reduce does (divide the bucket by the world size,
@@ -172,7 +180,7 @@ class StepTimer:
             buffer.div_(world)
             future = dist.all_reduce(buffer, async_op=True).get_future()
 
-            def finished(done: Any) -> Any:
+            def finished(done: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
                 self._pending.append(
                     (
                         "allreduce",
@@ -189,7 +197,7 @@ class StepTimer:
 
         ddp_model.register_comm_hook(state=None, hook=hook)
 
-    def watch_gradients(self, module: Any) -> None:
+    def watch_gradients(self, module: torch.nn.Module) -> None:
         """Record the moment autograd writes each parameter's ``.grad``, as a "gradient" record.
 
         Each record is an instant (start equals end) with ``nbytes`` the gradient's size; with
@@ -202,7 +210,7 @@ class StepTimer:
             if parameter.requires_grad:
                 parameter.register_post_accumulate_grad_hook(self._gradient_ready)
 
-    def _gradient_ready(self, parameter: Any) -> None:
+    def _gradient_ready(self, parameter: torch.Tensor) -> None:
         now = self._now()
         nbytes = parameter.numel() * parameter.element_size()
         self._pending.append(("gradient", self._step, now, now, None, nbytes))
@@ -246,12 +254,12 @@ def timer() -> StepTimer:
     return _default[0]
 
 
-def phase(name: str) -> Any:
+def phase(name: str) -> AbstractContextManager[None]:
     """Time a block as phase ``name`` on the default timer: ``with mgtutor.phase("forward"):``."""
     return timer().phase(name)
 
 
-def step(samples: int | None = None) -> Any:
+def step(samples: int | None = None) -> AbstractContextManager[None]:
     """Time a block as one step on the default timer: ``with mgtutor.step(samples=32):``."""
     return timer().step(samples)
 

@@ -40,9 +40,12 @@ from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mgtutor.measure.timing import STEP, PhaseRecord, StepTimer, timer
+
+if TYPE_CHECKING:
+    from torch.profiler import profile
 
 __all__ = ["Collective", "RankTrace", "merge_traces", "record_trace", "write_trace"]
 
@@ -295,7 +298,7 @@ def _step_of(moment: float, steps: list[PhaseRecord], step_timer: StepTimer) -> 
     return last.step if moment <= last.end else last.step + 1
 
 
-def _read_events(prof: Any, rank: int) -> list[dict[str, Any]]:
+def _read_events(prof: profile, rank: int) -> list[dict[str, Any]]:
     """The profile's events with ``ts`` in Unix µs, every ``pid`` this rank's."""
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder, "trace.json")

@@ -27,12 +27,13 @@ deviation, one value per token each (``norm_stat_bytes``; 0 by default, as in th
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
     "ACTIVATIONS_SOURCE",
     "ELEMENT_BYTES",
     "PAPER_TERMS",
+    "Recompute",
     "activation_bytes_per_layer",
     "activation_terms",
 ]
@@ -40,6 +41,8 @@ __all__ = [
 #: Bytes of one activation element by the planner's precision (16-bit under "mixed").
 ELEMENT_BYTES: dict[str, int] = {"mixed": 2, "fp32": 4, "mixed_fp32_grads": 2}
 _RECOMPUTE = ("none", "selective", "full")
+#: What the backward recomputes: nothing, the attention core (Korthikanti et al.), every layer.
+Recompute = Literal["none", "selective", "full"]
 
 ACTIVATIONS_SOURCE = (
     "Korthikanti et al. 2022, arXiv:2205.05198, table 2: sbh(34 + 5as/h) per layer; "
@@ -70,7 +73,7 @@ def activation_terms(
     tp: int = 1,
     sequence_parallel: bool = False,
     precision: str = "mixed",
-    recompute: str = "none",
+    recompute: Recompute = "none",
     *,
     mask_bytes: int = 1,
     norm_stat_bytes: int = 0,
@@ -137,7 +140,7 @@ def activation_bytes_per_layer(
     tp: int = 1,
     sequence_parallel: bool = False,
     precision: str = "mixed",
-    recompute: str = "none",
+    recompute: Recompute = "none",
     *,
     mask_bytes: int = 1,
     norm_stat_bytes: int = 0,

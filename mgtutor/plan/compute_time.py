@@ -25,9 +25,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from mgtutor.plan.activation_plan import ELEMENT_BYTES
+
+if TYPE_CHECKING:
+    from mgtutor.plan.activation_plan import Recompute
+    from mgtutor.plan.shape import Transformer
 
 __all__ = [
     "CONVENTIONS",
@@ -151,7 +155,7 @@ def _elementwise_seconds(
     return total / device.memory_bandwidth
 
 
-def matrix_params_per_layer(model: Any) -> tuple[float, float]:
+def matrix_params_per_layer(model: Transformer) -> tuple[float, float]:
     """(attention, MLP) weight parameters of one layer: GPT's 4h² and 2h·ffn; a llama-style
     model's MLP is gated (3h·ffn), its attention the rest of its count less two norms, with the
     output layer untied (its V·h not in the layers)."""
@@ -162,7 +166,9 @@ def matrix_params_per_layer(model: Any) -> tuple[float, float]:
     return 4.0 * h * h, 2.0 * h * ffn
 
 
-def product_shapes(model: Any, tp: int = 1) -> tuple[list[tuple[int, int, int, float]], ...]:
+def product_shapes(
+    model: Transformer, tp: int = 1
+) -> tuple[list[tuple[int, int, int, float]], ...]:
     """One layer's forward products on one of ``tp`` GPUs, each (rows, inner, cols, count):
     the column-parallel ones (q-k-v, fc1; a gated MLP's two), the row-parallel ones (the
     projection, fc2), and the attention core's two batched products (count: b·a/t). The backward
@@ -204,13 +210,13 @@ class LayerTimes:
 
 
 def layer_times(
-    model: Any,
+    model: Transformer,
     device: Device,
     precision: str,
     tp: int = 1,
     *,
     sequence_parallel: bool = False,
-    recompute: str = "none",
+    recompute: Recompute = "none",
     attention: str = "unfused",
     dropout: bool = True,
 ) -> LayerTimes:
@@ -274,7 +280,7 @@ def layer_times(
 
 
 def logits_times(
-    model: Any, device: Device, precision: str, tp: int = 1
+    model: Transformer, device: Device, precision: str, tp: int = 1
 ) -> tuple[float, float, float, float]:
     """Seconds of the output layer and its loss for one micro-batch: (forward product, backward
     products, forward loss, backward loss). The product is (b·s x h) @ (h x V/t); the loss a
@@ -291,7 +297,7 @@ def logits_times(
     return forward, backward, loss_f, _elementwise_seconds(device, softmax, "fp32") - loss_f
 
 
-def compute_flops(model: Any, tokens: int, recompute: str = "none") -> float:
+def compute_flops(model: Transformer, tokens: int, recompute: Recompute = "none") -> float:
     """FLOPs of forward and backward over ``tokens`` for the whole model (all GPUs together).
 
     6·N·tokens for the matrix products plus 12·L·s·h·tokens for attention's two s x s products;
@@ -311,7 +317,7 @@ def compute_flops(model: Any, tokens: int, recompute: str = "none") -> float:
     return float(per_token) * tokens
 
 
-def flops_per_token(model: Any, convention: str = "model") -> float:
+def flops_per_token(model: Transformer, convention: str = "model") -> float:
     """FLOPs per token of one training step under ``convention`` (:data:`CONVENTIONS`).
 
     Raises:

@@ -19,9 +19,12 @@ runs (``tests/plan/test_planner.py``):
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mgtutor.grid import Layout
+
+if TYPE_CHECKING:
+    from mgtutor.plan.activation_plan import Recompute
 
 __all__ = [
     "MAX_BUBBLE",
@@ -54,7 +57,7 @@ RANKING_RULE = (
 
 
 def tp_collectives_per_layer(
-    sequence_parallel: bool = False, keep_gathered: bool = False, recompute: str = "none"
+    sequence_parallel: bool = False, keep_gathered: bool = False, recompute: Recompute = "none"
 ) -> dict[str, int]:
     """Calls of each collective one tensor-parallel layer runs per micro-batch, forward and back.
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mgtutor.grid import Layout
 from mgtutor.plan.activation_plan import (
@@ -60,6 +60,9 @@ from mgtutor.plan.plan_rules import (
 )
 from mgtutor.plan.shape import Transformer
 from mgtutor.ring import bytes_sent_on_ring
+
+if TYPE_CHECKING:
+    from mgtutor.plan.activation_plan import Recompute
 
 __all__ = ["BYTES_PER_PARAMETER", "Collective", "Plan", "layouts", "plan"]
 
@@ -178,7 +181,7 @@ def plan(
     micro_batches: int = 1,
     sequence_parallel: bool = False,
     keep_gathered: bool = False,
-    recompute: str = "none",
+    recompute: Recompute = "none",
     ddp_buckets: bool = False,
     schedule: str = "1F1B",
     method: str = "ddp",

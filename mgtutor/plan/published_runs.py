@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, fields, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from mgtutor.plan.compute_time import flops_per_token
 from mgtutor.plan.machine import (
@@ -41,6 +41,9 @@ from mgtutor.plan.machine import (
 from mgtutor.plan.planner import plan
 from mgtutor.plan.shape import Transformer
 from mgtutor.plan.step_time import step_time
+
+if TYPE_CHECKING:
+    from mgtutor.plan.activation_plan import Recompute
 
 __all__ = [
     "NARAYANAN_TABLE_1",
@@ -74,7 +77,7 @@ class Run:
     source: str
     zero: int = 0
     chunks: int = 1
-    recompute: str = "full"
+    recompute: Recompute = "full"
     precision: str = "mixed"
     gemm_precision: str | None = None
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mgtutor.plan.activation_plan import ELEMENT_BYTES
 from mgtutor.plan.compute_time import compute_flops, layer_times, logits_times
@@ -57,6 +57,9 @@ from mgtutor.plan.pipeline_schedule import simulate
 from mgtutor.plan.plan_rules import candidate_layouts
 from mgtutor.plan.planner import BYTES_PER_PARAMETER, Plan, plan
 from mgtutor.plan.shape import Transformer
+
+if TYPE_CHECKING:
+    from mgtutor.plan.activation_plan import Recompute
 
 #: The machines, software and a step's parts live in :mod:`mgtutor.plan.machine`; this module
 #: predicts with them.
@@ -68,7 +71,7 @@ def _split(layers: int, stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(stages)]
 
 
-def _tp_seconds(plan: Plan, link: Link, layers: int, recompute: str) -> tuple[float, ...]:
+def _tp_seconds(plan: Plan, link: Link, layers: int, recompute: Recompute) -> tuple[float, ...]:
     """Seconds of one layer's TP collectives per micro-batch: (forward, backward, recompute).
 
     Forward: 2 all-reduces, or 2 all-gathers and 2 reduce-scatters with sequence parallelism;
@@ -92,7 +95,7 @@ def step_time(
     model: Transformer,
     hardware: Hardware,
     *,
-    recompute: str = "none",
+    recompute: Recompute = "none",
     chunks: int = 1,
     software: Software = TORCH,
     precision: str | None = None,
@@ -237,7 +240,7 @@ def step_time(
 
 
 def time_key(
-    model: Transformer, hardware: Hardware, recompute: str = "none", **options: Any
+    model: Transformer, hardware: Hardware, recompute: Recompute = "none", **options: Any
 ) -> Any:
     """A sort key for :func:`~mgtutor.plan.planner.layouts`: most tokens/s per GPU first, then
     less memory. ``options`` go to :func:`step_time`."""
@@ -255,7 +258,7 @@ def ranked(
     hardware: Hardware,
     *,
     global_batch: int,
-    recompute: str = "none",
+    recompute: Recompute = "none",
     zero: tuple[int, ...] = (0, 1, 2, 3),
     chunks: int = 1,
     software: Software = TORCH,

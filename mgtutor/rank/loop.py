@@ -21,10 +21,10 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mgtutor.errors import in_mgtutor, strip_ansi
 from mgtutor.rank import channel, namespace
@@ -40,6 +40,12 @@ from mgtutor.worker import (
     share_cores,
     teardown,
 )
+
+if TYPE_CHECKING:
+    import ctypes
+    from types import FrameType
+
+    from mgtutor.measure.breakdown import MemoryBreakdown
 
 
 @dataclass
@@ -62,10 +68,10 @@ class RankSpec:
     parent_pid: int | None = None
     # Shared with the notebook: [number of the call whose fn started, when]. The notebook
     # reads it when it checks its limits, so a call's start costs it no message and no wakeup.
-    started: Any = None
+    started: ctypes.Array[ctypes.c_double] | None = None
 
 
-_keep_alive: list[Any] = []
+_keep_alive: list[Connection] = []
 _in_call = [False]  # read by the SIGINT handler; a flag, as an Event's lock cost 3 us a call
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
@@ -109,7 +115,7 @@ def _redirect_output(stdout: Connection, stderr: Connection) -> None:
     )
 
 
-def _messages(conn: Connection) -> Iterator[Any]:
+def _messages(conn: Connection) -> Iterator[Call | Exit]:
     """The notebook's messages, read by the main thread; the rank ends if the notebook is gone.
 
     End of file on the pipe means the notebook's process died (a kernel restart, kill -9):
@@ -123,12 +129,12 @@ def _messages(conn: Connection) -> Iterator[Any]:
     if hasattr(select, "POLLRDHUP"):
         threading.Thread(target=_wait_for_hangup, args=(conn,), daemon=True).start()
         return _received(conn)
-    commands: queue.Queue[Any] = queue.Queue()
+    commands: queue.Queue[Call | Exit | None] = queue.Queue()
     threading.Thread(target=_listen, args=(conn, commands), daemon=True).start()
     return iter(commands.get, None)
 
 
-def _received(conn: Connection) -> Iterator[Any]:
+def _received(conn: Connection) -> Iterator[Call | Exit]:
     while True:
         try:
             yield conn.recv()
@@ -145,7 +151,7 @@ def _wait_for_hangup(conn: Connection) -> None:
             os.killpg(0, signal.SIGKILL)
 
 
-def _listen(conn: Connection, commands: queue.Queue[Any]) -> None:
+def _listen(conn: Connection, commands: queue.Queue[Call | Exit | None]) -> None:
     try:
         while True:
             commands.put(conn.recv())
@@ -154,7 +160,7 @@ def _listen(conn: Connection, commands: queue.Queue[Any]) -> None:
     os.killpg(0, signal.SIGKILL)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
+def _interrupt(signum: int, frame: FrameType | None) -> None:
     # The notebook sends SIGINT to interrupt a call (Ctrl+C in a pool); between calls it is
     # ignored, so an interrupt that arrives late cannot end the rank.
     if _in_call[0]:
@@ -190,7 +196,7 @@ def _failure(exc: BaseException, context: str, call: int) -> Failed:
     )
 
 
-def _is_mgtutor(frame: Any) -> bool:
+def _is_mgtutor(frame: FrameType) -> bool:
     return in_mgtutor(frame.f_code.co_filename)
 
 
@@ -231,7 +237,7 @@ def _apply_context(context: Context, own: dict[str, str | None]) -> None:
             pass  # an invalid value: torch's own error comes when the group is made
 
 
-def _tracked_breakdown() -> Any:
+def _tracked_breakdown() -> MemoryBreakdown | None:
     """fn's tracked model and optimizer by category (mgtutor.track); None if none was tracked."""
     from mgtutor.measure.breakdown import tracked_breakdown
 
@@ -284,7 +290,9 @@ def _unpacked(call: Call) -> Any:
     return unpacked
 
 
-def _measured_call(fn: Any, args: tuple, kwargs: dict, call: Call, spec: RankSpec) -> Done | Failed:
+def _measured_call(
+    fn: Callable[..., Any], args: tuple, kwargs: dict, call: Call, spec: RankSpec
+) -> Done | Failed:
     """Run fn once, measuring time and memory; Done with its pickled result, or Failed."""
     from mgtutor.measure import breakdown, memory, timing
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 from mgtutor.wire.pickling import PLAIN_TYPES
@@ -97,11 +98,11 @@ def take_cell_values(values: dict[str, Any]) -> None:
             in_rank_namespace(value)  # offers what it reads, rebinds it among the values
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: object, b: object) -> bool:
     return a is b or (type(a) is type(b) and isinstance(a, PLAIN_TYPES) and a == b)
 
 
-def in_rank_namespace(fn: Any) -> Any:
+def in_rank_namespace(fn: Callable[..., Any]) -> Callable[..., Any]:
     """fn rebound to the rank's namespace, offered the notebook values it was pickled with.
 
     cloudpickle sends a cell's function with the globals it uses, as the notebook had them, in
@@ -116,14 +117,16 @@ def in_rank_namespace(fn: Any) -> Any:
         return fn  # a function of an importable module: its module is its namespace
     sent = fn.__globals__
     take_notebook_values(sent)
-    memo: dict[int, Any] = {}
+    memo: dict[int, types.FunctionType] = {}
     for name, value in list(_from_notebook.items()):
         if isinstance(value, types.FunctionType) and value.__globals__ is sent:
             _from_notebook[name] = _rebound(value, sent, memo)
     return _rebound(fn, sent, memo)
 
 
-def _rebound(fn: types.FunctionType, sent: dict[str, Any], memo: dict[int, Any]) -> Any:
+def _rebound(
+    fn: types.FunctionType, sent: dict[str, Any], memo: dict[int, types.FunctionType]
+) -> types.FunctionType:
     """fn with the rank's namespace as its globals; cell functions in its closure too."""
     if id(fn) in memo:
         return memo[id(fn)]
