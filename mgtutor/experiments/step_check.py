@@ -186,7 +186,7 @@ def _plan(config: Config) -> Any:
 
 def predict(config: Config, hardware: Hardware) -> StepTime:
     """The model's step of ``config`` on ``hardware`` (an emulated one for emulated configs)."""
-    return step_time(_plan(config), config.model, hardware, software=_software(config))
+    return step_time(_plan(config), hardware, software=_software(config))
 
 
 def without(config: Config, hardware: Hardware, term: str) -> float:
@@ -199,8 +199,9 @@ def without(config: Config, hardware: Hardware, term: str) -> float:
         return t.total - t.parts[term]
     d, m = t.details, config.micro_batches
     if term == "tp overlap":
-        return step_time(_plan(config), config.model, hardware,
-                         software=replace(_software(config), tp_overlap="none")).total  # fmt: skip
+        return step_time(
+            _plan(config), hardware, software=replace(_software(config), tp_overlap="none")
+        ).total
     if term == "dp overlap":
         return t.total - t.parts["dp"] + d["dp_reduce"]
     if term == "last micro-batch":

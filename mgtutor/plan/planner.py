@@ -122,6 +122,11 @@ class Plan:
     schedule: str = "1F1B"
     method: str = "ddp"
     sync_every: int = 1
+    # What the plan was made for, kept so that step_time(plan, hardware) is not told it again
+    # (and cannot be told otherwise).
+    model: Transformer | None = None
+    recompute: Recompute = "none"
+    sequence_parallel: bool = False
 
     @property
     def bubble(self) -> float:
@@ -339,6 +344,9 @@ def plan(
         schedule=schedule,
         method=method,
         sync_every=sync_every,
+        model=model,
+        recompute=recompute,
+        sequence_parallel=sequence_parallel,
     )
 
 

@@ -204,9 +204,8 @@ def predict(run: Run, **changes: Any) -> tuple[float, StepTime]:
         recompute=run.recompute,
     )
     t = step_time(
-        p, run.model, run.hardware, recompute=run.recompute, chunks=run.chunks,
-        software=run.software, precision=run.gemm_precision,
-    )  # fmt: skip
+        p, run.hardware, chunks=run.chunks, software=run.software, precision=run.gemm_precision
+    )
     if run.unit == "tokens/s":
         return t.tokens_per_gpu_per_s, t
     return flops_per_token(run.model, "megatron") * t.tokens_per_gpu_per_s / 1e12, t

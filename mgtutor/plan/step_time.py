@@ -92,22 +92,21 @@ def _tp_seconds(plan: Plan, link: Link, layers: int, recompute: Recompute) -> tu
 
 def step_time(
     plan: Plan,
-    model: Transformer,
     hardware: Hardware,
     *,
-    recompute: Recompute = "none",
     chunks: int = 1,
     software: Software = TORCH,
     precision: str | None = None,
 ) -> StepTime:
     """The predicted time of one optimizer step of ``plan`` on ``hardware``, split into parts.
 
+    The model, its recomputation and sequence parallelism are the plan's own (``plan.model``,
+    ``plan.recompute``, ``plan.sequence_parallel``): what the planner was told.
+
     Args:
         plan: a layout from :func:`~mgtutor.plan.planner.plan` (its ``micro_batches``, and its
             ``schedule`` where the planner has one).
-        model: the shape the plan was made for.
         hardware: the machine.
-        recompute: as given to the planner ("none", "selective", "full").
         chunks: model chunks per GPU (v > 1: the interleaved schedule).
         software: what the code overlaps (:class:`~mgtutor.plan.machine.Software`).
         precision: the products' key in the device's ceilings ("fp8"), if not the plan's.
@@ -116,9 +115,24 @@ def step_time(
         The :class:`~mgtutor.plan.machine.StepTime` of the stage that finishes last.
 
     Raises:
-        ValueError: for LocalSGD or DiLoCo (``plan.method``): their sync, after every H-th
-            step (overlapped with the next inner steps under Streaming DiLoCo), is not modelled.
+        TypeError: ``hardware`` is not a :class:`~mgtutor.plan.machine.Hardware` (the old call
+            ``step_time(plan, model, hardware, recompute=...)``: the plan keeps both now).
+        ValueError: a plan without its model (not made by ``plan()``), or LocalSGD or DiLoCo
+            (``plan.method``): their sync, after every H-th step (overlapped with the next
+            inner steps under Streaming DiLoCo), is not modelled.
     """
+    if not isinstance(hardware, Hardware):
+        raise TypeError(
+            f"step_time(plan, hardware): got {type(hardware).__name__} for hardware. The plan "
+            "keeps the model it was made for and its recompute (plan.model, plan.recompute): "
+            "pass the Hardware second, and no model or recompute"
+        )
+    model = plan.model
+    if model is None:
+        raise ValueError(
+            "step_time needs the model the plan was made for: make the plan with plan(model, ...)"
+        )
+    recompute = plan.recompute
     if plan.method != "ddp":
         raise ValueError(
             f"step_time models DDP and ZeRO, which sync every step; {plan.layout} syncs every "
@@ -134,7 +148,7 @@ def step_time(
         "dp": hardware.group_link(t * d, max(1, min(d, node // t))),
         "pp": hardware.group_link(gpus, 1),
     }
-    sp = any(c.group == "tp" and c.name != "all_reduce" for c in plan.collectives)
+    sp = plan.sequence_parallel and t > 1
     lt = layer_times(
         model, hardware.device, precision or plan.precision, t, sequence_parallel=sp,
         recompute=recompute, attention=software.attention, dropout=software.dropout,
@@ -239,14 +253,12 @@ def step_time(
     return StepTime(parts, hidden, tokens, gpus, flops, names, stage=r, details=details)
 
 
-def time_key(
-    model: Transformer, hardware: Hardware, recompute: Recompute = "none", **options: Any
-) -> Any:
+def time_key(hardware: Hardware, **options: Any) -> Any:
     """A sort key for :func:`~mgtutor.plan.planner.layouts`: most tokens/s per GPU first, then
     less memory. ``options`` go to :func:`step_time`."""
 
     def key(p: Plan) -> tuple[float, int]:
-        t = step_time(p, model, hardware, recompute=recompute, **options)
+        t = step_time(p, hardware, **options)
         return -t.tokens_per_gpu_per_s, p.total
 
     return key
@@ -289,6 +301,6 @@ def ranked(
             memory["activations"] = round(memory["activations"] * (1 + (pp - 1) / (pp * m)))
             p = replace(p, memory=memory)
         if p.fits:
-            t = step_time(p, model, hardware, recompute=recompute, chunks=v, software=software)
+            t = step_time(p, hardware, chunks=v, software=software)
             found.append((p, t))
     return sorted(found, key=lambda pt: (-pt[1].tokens_per_gpu_per_s, pt[0].total))

@@ -31,7 +31,7 @@ def _layer(model=SMALL, hw=ROUND, tp=1, **kw):
 
 def test_one_gpu_is_its_layers_and_its_output_layer():
     model = replace(SMALL, vocab=100)
-    t = step_time(plan(model, 1, GB, precision="fp32"), model, ROUND, software=NO_OPT)
+    t = step_time(plan(model, 1, GB, precision="fp32"), ROUND, software=NO_OPT)
     lt = _layer(model)
     lf, lb, loss_f, loss_b = logits_times(model, DEVICE, "fp32")
     assert t.parts["matmul"] == pytest.approx(4 * lt.matmul + lf + lb)
@@ -48,7 +48,7 @@ def test_tp_forward_is_exposed_and_backward_hides_behind_the_weight_gradient():
     call = (2 * 32 * 64 * 4) / 1e8  # a 2-rank ring sends the whole b·s·h float32 buffer
     lt = _layer(tp=2)
     parts = {
-        o: step_time(p, SMALL, slow, software=replace(NO_OPT, tp_overlap=o)).parts["tp"]
+        o: step_time(p, slow, software=replace(NO_OPT, tp_overlap=o)).parts["tp"]
         for o in ("none", "backward", "all")
     }
     assert parts["none"] == pytest.approx(4 * 4 * call)
@@ -57,7 +57,7 @@ def test_tp_forward_is_exposed_and_backward_hides_behind_the_weight_gradient():
         4 * (2 * call - lt.forward_matmul + 2 * call - lt.wgrad_first)
     )
     # Where the link is fast, the backward ones hide entirely and only the forward remain.
-    fast = step_time(p, SMALL, ROUND, software=NO_OPT)
+    fast = step_time(p, ROUND, software=NO_OPT)
     assert fast.parts["tp"] == pytest.approx(4 * 2 * (2 * 32 * 64 * 4) / 100e9)
 
 
@@ -74,24 +74,20 @@ def test_gradients_hide_behind_the_last_micro_batch_only():
     grads = 4 * SMALL.total  # float32, a 2-rank ring sends it all
     slow = replace(ROUND, intra=Link(grads / (3 * backward)))
     buckets = replace(NO_OPT, bucket_bytes=grads // 100, first_bucket_bytes=0)
-    t = step_time(_dp_plan(8), SMALL, slow, software=buckets)
+    t = step_time(_dp_plan(8), slow, software=buckets)
     assert t.parts["dp"] == pytest.approx(2 * backward)
     assert t.hidden == pytest.approx(backward)
     # Nothing is reduced before the first bucket's gradients exist: half the gradients in it,
     # half the last backward hides nothing.
     halves = replace(buckets, first_bucket_bytes=grads // 2)
-    assert step_time(_dp_plan(8), SMALL, slow, software=halves).parts["dp"] == pytest.approx(
+    assert step_time(_dp_plan(8), slow, software=halves).parts["dp"] == pytest.approx(
         2.5 * backward
     )
     # Megatron-LM's 2021 local DDP reduces after the backward: all 3 exposed.
     late = replace(MEGATRON_2021, optimizer=False, bucket_bytes=grads // 100)
-    assert step_time(_dp_plan(8), SMALL, slow, software=late).parts["dp"] == pytest.approx(
-        3 * backward
-    )
+    assert step_time(_dp_plan(8), slow, software=late).parts["dp"] == pytest.approx(3 * backward)
     # One bucket holding every gradient cannot start before the backward ends.
-    assert step_time(_dp_plan(8), SMALL, slow, software=NO_OPT).parts["dp"] == pytest.approx(
-        3 * backward
-    )
+    assert step_time(_dp_plan(8), slow, software=NO_OPT).parts["dp"] == pytest.approx(3 * backward)
 
 
 def test_the_last_bucket_waits_after_the_backward():
@@ -100,7 +96,7 @@ def test_the_last_bucket_waits_after_the_backward():
     grads = 4 * SMALL.total
     quick = replace(ROUND, intra=Link(grads / (backward / 2)))  # the reduction: half a backward
     sw = replace(NO_OPT, bucket_bytes=grads // 10, first_bucket_bytes=0)
-    t = step_time(_dp_plan(1), SMALL, quick, software=sw)
+    t = step_time(_dp_plan(1), quick, software=sw)
     assert t.parts["dp"] == pytest.approx(backward / 2 / 10, rel=0.01)
 
 
@@ -108,22 +104,22 @@ def test_ddp_copies_for_zero_0_and_torch_s_zero_1_unless_bucket_views():
     copying = replace(ROUND, copy=5e9)
     for zero in (0, 1):
         p = plan(SMALL, 2, GB, dp=2, zero=zero, precision="fp32")
-        t = step_time(p, SMALL, copying, software=NO_OPT)
+        t = step_time(p, copying, software=NO_OPT)
         assert t.parts["copies"] == pytest.approx(2 * 4 * SMALL.total / 5e9)
-        viewed = step_time(p, SMALL, copying, software=replace(NO_OPT, bucket_view=True))
+        viewed = step_time(p, copying, software=replace(NO_OPT, bucket_view=True))
         assert "copies" not in viewed.parts
     zero2 = plan(SMALL, 2, GB, dp=2, zero=2, precision="fp32")
-    assert "copies" not in step_time(zero2, SMALL, copying, software=NO_OPT).parts
+    assert "copies" not in step_time(zero2, copying, software=NO_OPT).parts
 
 
 def test_zero_1_gathers_parameters_after_the_step_and_zero_3_hides_gathers():
     p1 = plan(SMALL, 2, GB, dp=2, zero=1, precision="fp32")
     gather = 4 * SMALL.total / 2 / 100e9  # all-gather: (n-1)/n of the parameters
     buckets = replace(NO_OPT, bucket_bytes=4 * SMALL.total // 1000, first_bucket_bytes=0)
-    t1 = step_time(p1, SMALL, ROUND, software=buckets)
+    t1 = step_time(p1, ROUND, software=buckets)
     assert t1.parts["dp"] == pytest.approx(gather, rel=0.01)
     p3 = plan(SMALL, 2, GB, dp=2, zero=3, precision="fp32", micro_batches=4)
-    t3 = step_time(p3, SMALL, ROUND, software=NO_OPT)
+    t3 = step_time(p3, ROUND, software=NO_OPT)
     # Per micro-batch only the first layer's gather (of 4) and the last one's reduce-scatter
     # wait: 4 x (gather + scatter) / 4.
     assert t3.parts["dp"] == pytest.approx(4 * (gather + gather) / 4, rel=0.01)
@@ -140,7 +136,7 @@ def test_fsdp_under_a_pipeline_gathers_once_a_step():
         "reduce_scatter": (1, held // 2),
         "all_gather": (1, held // 2),
     }
-    t = step_time(fsdp, SMALL, ROUND, software=NO_OPT)
+    t = step_time(fsdp, ROUND, software=NO_OPT)
     once = (held // 2) / 100e9  # dp=2 stays in a node (ranks tp, then dp, then pp)
     # The first of 2 layers' gather waits, and the reduce-scatter (one bucket) after the last
     # backward; gathering per micro-batch would cost 4 x 2 gathers.
@@ -150,14 +146,14 @@ def test_fsdp_under_a_pipeline_gathers_once_a_step():
 def test_pipeline_bubble_and_scatter_gather_sends():
     m = 4
     p = plan(SMALL, 2, GB, pp=2, micro_batches=m, precision="fp32")
-    t = step_time(p, SMALL, ROUND, software=NO_OPT)
+    t = step_time(p, ROUND, software=NO_OPT)
     busy = t.parts["matmul"] + t.parts["memory-bound"]
     assert t.parts["bubble"] / (busy + t.parts["bubble"]) == pytest.approx(1 / (m + 1))
     assert t.links["pp"] == "intra" and t.parts["pp"] > 0
     # tp=2 x pp=2 on nodes of 2: each GPU sends b·s·h/2 across nodes, then an all-gather.
     p4 = plan(SMALL, 4, GB, tp=2, pp=2, micro_batches=m, precision="fp32")
-    sg = step_time(p4, SMALL, ROUND, software=NO_OPT)
-    whole = step_time(p4, SMALL, ROUND, software=replace(NO_OPT, scatter_gather=False))
+    sg = step_time(p4, ROUND, software=NO_OPT)
+    whole = step_time(p4, ROUND, software=replace(NO_OPT, scatter_gather=False))
     assert sg.parts["pp"] < whole.parts["pp"]
     piece = 2 * 32 * 64 * 4
     assert whole.parts["pp"] - sg.parts["pp"] == pytest.approx(
@@ -189,7 +185,7 @@ def test_nvls_peak_only_above_the_size_nccl_tests_212_calls_too_small():
 
 def test_the_optimizer_step_reads_and_writes_the_shard_once():
     p = plan(SMALL, 2, GB, dp=2, zero=1, precision="fp32")
-    t = step_time(p, SMALL, ROUND)
+    t = step_time(p, ROUND)
     shard = p.memory["optimizer_state"] / 8  # fp32 Adam: 4 + 4 + 8 bytes per parameter
     assert t.parts["optimizer"] == pytest.approx(shard * (2 * 8 + 4 + 2 * 4) / 1e12)
 
@@ -220,9 +216,26 @@ def test_ranked_at_a_fixed_global_batch():
     assert inter[layout].memory["activations"] == pytest.approx(
         plain[layout].memory["activations"] * (1 + 1 / (2 * m)), rel=1e-6
     )
-    key = time_key(gpt7b, H100_SXM_NODE, "selective")
+    key = time_key(H100_SXM_NODE)
     a, b = (p for p, _ in timed[:2])
     assert key(a) <= key(b)
+
+
+def test_step_time_reads_the_model_recompute_and_sp_the_plan_was_made_for() -> None:
+    # One source for them: the plan. Recomputing everything adds a forward's products, sequence
+    # parallelism splits the operations between them over tp; the old call, model and hardware
+    # both passed, is refused with the new one in the message.
+    kept = plan(SMALL, 2, GB, tp=2, precision="fp32")
+    full = plan(SMALL, 2, GB, tp=2, precision="fp32", recompute="full")
+    sp = plan(SMALL, 2, GB, tp=2, precision="fp32", sequence_parallel=True)
+    assert (full.model, full.recompute, sp.sequence_parallel) == (SMALL, "full", True)
+    assert step_time(full, ROUND).parts["matmul"] > step_time(kept, ROUND).parts["matmul"]
+    split = step_time(sp, ROUND).parts["memory-bound"]
+    assert split < step_time(kept, ROUND).parts["memory-bound"]
+    with pytest.raises(TypeError, match="keeps the model"):
+        step_time(kept, SMALL)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="the model the plan was made for"):
+        step_time(replace(kept, model=None), ROUND)
 
 
 def _ddp_grads_share_a_bucket(view: bool) -> bool:

@@ -102,7 +102,7 @@ def test_layouts_try_zero_0_only_for_diloco():
 def test_step_time_refuses_what_it_does_not_model():
     model = Transformer(layers=2, hidden=64, heads=2, seq_len=16)
     with pytest.raises(ValueError, match="every 8 steps"):
-        step_time(plan(model, 8, 80 * GB, method="localsgd", sync_every=8), model, H100_SXM_NODE)
+        step_time(plan(model, 8, 80 * GB, method="localsgd", sync_every=8), H100_SXM_NODE)
 
 
 def test_sync_memory_and_method_refusal_directly():
