@@ -278,10 +278,21 @@ class _OpOrder(TorchDispatchMode):
         self.names, self.ops = names, ops
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if _DTENSOR is not None and _DTENSOR in types:
+            return NotImplemented  # DTensor first, as in CommRecorder: its local operators
         name = str(func.overloadpacket)  # "aten.bmm", "c10d.send": public, unlike _opname
         if name in self.names:
             self.ops.append(name)
         return func(*args, **(kwargs or {}))
+
+
+def _operator_exists(name: str) -> bool:
+    namespace, _, op = name.partition(".")
+    try:
+        getattr(getattr(torch.ops, namespace), op)
+    except (AttributeError, RuntimeError):
+        return False
+    return bool(op)
 
 
 @contextlib.contextmanager
@@ -290,13 +301,25 @@ def record_ops(*names: str) -> Iterator[list[str]]:
 
     Names are torch's "namespace.name", as :attr:`Comm.operator` writes them. It tells the order
     of work, which byte counts cannot: whether a send was posted before the matrix products it
-    should overlap with.
+    should overlap with. Not when it was waited for: ``Work.wait()`` is no operator. A dispatch
+    mode sees operators after torch decomposes the composite ones: ``aten.matmul`` and
+    ``aten.linear`` arrive as ``aten.mm``, ``aten.bmm`` or ``aten.addmm``, and are never seen.
 
-    Example:
-        >>> with record_ops("c10d.send", "aten.bmm") as ops:
-        ...     out = context.ring_attention(q, k, v, layout)
-        >>> ops[0]  # "c10d.send": the next block leaves before this one is computed
+    Raises:
+        ValueError: a name torch has no operator for (a misspelling).
+
+    Example (inside a rank, with a ring attention's inputs)::
+
+        with record_ops("c10d.send", "aten.bmm") as ops:
+            out = context.ring_attention(q, k, v, layout)
+        ops[:3]  # ["c10d.send", "aten.bmm", "aten.bmm"]: the block leaves, then the work
     """
+    unknown = [name for name in names if not _operator_exists(name)]
+    if unknown:
+        raise ValueError(
+            f"record_ops: torch has no operator {', '.join(map(repr, unknown))}: name them as "
+            '"namespace.name", e.g. "aten.bmm" or "c10d.send"'
+        )
     ops: list[str] = []
     with _OpOrder(names, ops):
         yield ops

@@ -122,8 +122,8 @@ class Plan:
     schedule: str = "1F1B"
     method: str = "ddp"
     sync_every: int = 1
-    # What the plan was made for, kept so that step_time(plan, hardware) is not told it again
-    # (and cannot be told otherwise).
+    # What the plan was made for, kept so that step_time(plan, hardware) reads it from the plan
+    # rather than being told it again (dataclasses.replace can still change one: don't).
     model: Transformer | None = None
     recompute: Recompute = "none"
     sequence_parallel: bool = False

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import mgtutor
-from mgtutor.parallel.comms import Comm, by_kind, comm_counts, kind_of, record_comms
+from mgtutor.parallel.comms import Comm, by_kind, comm_counts, kind_of, record_comms, record_ops
 from mgtutor.parallel.tensor_comms import copy_to_parallel
 from mgtutor.ring import bytes_sent_on_ring
 
@@ -183,3 +183,15 @@ def test_kinds_and_counts_read_records_and_torchs_counts_alike() -> None:
         "c10d.send": 1,
     }
     assert by_kind(comms) == by_kind(comm_counts(comms)) == {"all_reduce": 2, "send": 1}
+
+
+def test_record_ops_lists_the_named_operators_in_order_and_refuses_unknown_names() -> None:
+    a = torch.ones(2, 3, 3)
+    with record_ops("aten.bmm", "aten.mm") as ops:
+        torch.bmm(a, a)
+        a[0] @ a[0]  # matmul of two matrices reaches the dispatcher as mm
+        a.sum()
+        torch.bmm(a, a)
+    assert ops == ["aten.bmm", "aten.mm", "aten.bmm"]
+    with pytest.raises(ValueError, match="aten.bmmm"), record_ops("aten.bmm", "aten.bmmm"):
+        pass
