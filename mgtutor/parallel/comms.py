@@ -185,12 +185,17 @@ def _all_to_all(operator: str, args: tuple[Any, ...], out: Any, size: int) -> tu
     return _slices(args[0], args[2], size), _slices(out, args[1], size)
 
 
+def _operator(func: Any) -> str:
+    """An operator's "namespace.name" ("c10d.send", "aten.bmm"), from its public packet."""
+    return str(func.overloadpacket)
+
+
 def _describe(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Comm | None:
     """The :class:`Comm` of one operator that ran, or None if it is no communication."""
-    namespace, opname = getattr(func, "namespace", ""), getattr(func, "_opname", "")
+    operator = _operator(func)
+    namespace = operator.partition(".")[0]
     if namespace not in _NAMESPACES:
         return None
-    operator = f"{namespace}.{opname}"
     op = kind_of(operator)
     if namespace != "c10d" and op not in _KINDS:  # wait_tensor, wrap_tensor_autograd: no traffic
         return None
@@ -280,7 +285,7 @@ class _OpOrder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         if _DTENSOR is not None and _DTENSOR in types:
             return NotImplemented  # DTensor first, as in CommRecorder: its local operators
-        name = str(func.overloadpacket)  # "aten.bmm", "c10d.send": public, unlike _opname
+        name = _operator(func)
         if name in self.names:
             self.ops.append(name)
         return func(*args, **(kwargs or {}))
