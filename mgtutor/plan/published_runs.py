@@ -16,10 +16,17 @@ model's prediction of each: the runs notebook 18 checks the model against, none 
 * :data:`TORCHTITAN_RUNS`: torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md`` (at
   31a17bf; torchtitan 9dec370) Tables 1, 3 and 5, tokens/s per GPU.
 
-Korthikanti et al. 2022 (arXiv:2205.05198) Tables 3 and 5 are not here: the paper's text could
-not be retrieved; Megatron-LM's README (2e90a342f5) quotes Table 5's MFU and HFU (22B 41.5% and
-43.7%, 175B 51.4% and 52.8%, 530B 56.0% and 57.0%, 1T 56.3% and 57.0%) but not Table 3's
-pipeline sizes and batches, which a prediction needs.
+* :data:`KORTHIKANTI_TABLE_5`: Korthikanti et al. 2022 (arXiv:2205.05198v1) Table 5, seconds per
+  iteration of GPT models from 22B to 1T parameters on Selene's A100s (80 GB), with full
+  recomputation and no sequence parallelism, and with selective recomputation and sequence
+  parallelism ("present work"); each configuration from Table 3 (heads, hidden size, layers, tp,
+  pp, GPUs, global batch, micro-batch; no data parallelism) and section 6 (3 interleaved stages
+  for 175B and 530B, sequence 2048, vocabulary 51,200, mixed precision; Table 4's note: the
+  backward's all-reduce overlaps the weight gradient's product, Megatron-LM's ``MEGATRON``).
+  :data:`KORTHIKANTI_530B_DP8`: section 6.3's 530B run with 8-way data parallelism (2,240 GPUs,
+  the batch x 8, gradient all-reduces not overlapped): 39.15 s. Read from a reader's annotated
+  copy of the paper (``danielvegamyhre/ml-perf-reading-group``,
+  ``session_9/reducing_activation_recomputation_[annotated].pdf`` at 4582b21, the arXiv text).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from mgtutor.plan.compute_time import flops_per_token
 from mgtutor.plan.machine import (
     A100_SELENE,
     GRAND_TETON_H100,
+    MEGATRON,
     MEGATRON_2021,
     TORCHTITAN,
     Hardware,
@@ -46,10 +54,13 @@ if TYPE_CHECKING:
     from mgtutor.plan.activation_plan import Recompute
 
 __all__ = [
+    "KORTHIKANTI_530B_DP8",
+    "KORTHIKANTI_TABLE_5",
     "NARAYANAN_TABLE_1",
     "NARAYANAN_TABLE_2",
     "TORCHTITAN_RUNS",
     "Run",
+    "error",
     "llama",
     "median_abs_error",
     "predict",
@@ -60,8 +71,8 @@ __all__ = [
 class Run:
     """One published run: its model, layout, code and measured throughput.
 
-    ``published`` is per GPU in ``unit``: "TFLOP/s" (Megatron-LM's eq. 3 FLOPs per second) or
-    "tokens/s". ``source`` says where the row is from.
+    ``published`` is per GPU in ``unit``, "TFLOP/s" (Megatron-LM's eq. 3 FLOPs per second) or
+    "tokens/s", or seconds per iteration, "s". ``source`` says where the row is from.
     """
 
     name: str
@@ -80,6 +91,7 @@ class Run:
     recompute: Recompute = "full"
     precision: str = "mixed"
     gemm_precision: str | None = None
+    sequence_parallel: bool = False
 
 
 def _gpt(layers: int, hidden: int, heads: int, micro_batch: int) -> Transformer:
@@ -148,6 +160,37 @@ NARAYANAN_TABLE_2: tuple[Run, ...] = tuple(
 )
 
 
+def _table_5(name, heads, hidden, layers, tp, pp, gpus, batch, mbs, full_s, present_s):
+    chunks = 3 if name in ("175B", "530B") else 1  # section 6: "three interleaving stages"
+    source = "Korthikanti et al. 2022 Tables 3 and 5 (arXiv:2205.05198v1)"
+    model, m = _gpt(layers, hidden, heads, mbs), batch // mbs  # no data parallelism
+    full = Run(f"{name} full recompute", model, gpus, tp, pp, m, full_s, "s", A100_SELENE,
+               MEGATRON, source, chunks=chunks, recompute="full")
+    present = replace(full, name=f"{name} selective + SP", published=present_s,
+                      recompute="selective", sequence_parallel=True)
+    return full, present
+
+
+#: name, heads, hidden, layers, tp, pp, GPUs, global batch, micro-batch (Table 3); seconds per
+#: iteration with full recomputation, and with selective recomputation + SP (Table 5).
+KORTHIKANTI_TABLE_5: tuple[Run, ...] = tuple(
+    run
+    for row in (
+        ("22B", 64, 6144, 48, 8, 1, 8, 4, 4, 1.42, 1.10),
+        ("175B", 96, 12288, 96, 8, 8, 64, 64, 1, 18.13, 13.75),
+        ("530B", 128, 20480, 105, 8, 35, 280, 280, 1, 49.05, 37.83),
+        ("1T", 160, 25600, 128, 8, 64, 512, 512, 1, 94.42, 71.49),
+    )
+    for run in _table_5(*row)
+)
+#: Section 6.3: the 530B present-work run with 8-way data parallelism, the batch x 8, "we do not
+#: use any overlapping of gradient all-reduces with back-propagation".
+KORTHIKANTI_530B_DP8 = replace(
+    KORTHIKANTI_TABLE_5[5], name="530B selective + SP, dp=8", gpus=2240, published=39.15,
+    software=replace(MEGATRON, dp_overlap=False), source="Korthikanti et al. 2022 section 6.3",
+)  # fmt: skip
+
+
 @dataclass(frozen=True)
 class _Llama(Transformer):
     style: Literal["gpt", "llama"] = "llama"
@@ -202,16 +245,28 @@ def predict(run: Run, **changes: Any) -> tuple[float, StepTime]:
         pp=pp,
         micro_batches=run.micro_batches,
         recompute=run.recompute,
+        sequence_parallel=run.sequence_parallel,
     )
     t = step_time(
         p, run.hardware, chunks=run.chunks, software=run.software, precision=run.gemm_precision
     )
+    if run.unit == "s":
+        return t.total, t
     if run.unit == "tokens/s":
         return t.tokens_per_gpu_per_s, t
     return flops_per_token(run.model, "megatron") * t.tokens_per_gpu_per_s / 1e12, t
 
 
+def error(run: Run, predicted: float) -> float:
+    """The prediction's error as a throughput, whatever the run's unit: predicted / published -
+    1 for a rate, published / predicted - 1 for seconds. Above 0: the model is faster than the
+    run."""
+    if run.unit == "s":
+        return run.published / predicted - 1
+    return predicted / run.published - 1
+
+
 def median_abs_error(runs: tuple[Run, ...] | list[Run]) -> tuple[float, list[float]]:
-    """The median of |predicted / published - 1| over ``runs``, and each run's signed error."""
-    errors = [predict(r)[0] / r.published - 1 for r in runs]
+    """The median of |:func:`error`| over ``runs``, and each run's signed error."""
+    errors = [error(r, predict(r)[0]) for r in runs]
     return statistics.median(abs(e) for e in errors), errors

@@ -75,3 +75,45 @@ def test_a_refused_layout_raises_instead_of_being_planned_otherwise():
     where a silent re-plan as ZeRO-1 would report another layout's time under the run's name."""
     with pytest.raises(ValueError, match="ZeRO stage"):
         pub.predict(pub.TORCHTITAN_RUNS[2], zero=4)
+
+
+def test_korthikanti_rows_are_table_3_s_configurations():
+    rows = pub.KORTHIKANTI_TABLE_5
+    assert [r.name.split()[0] for r in rows[::2]] == ["22B", "175B", "530B", "1T"]
+    for full, present in zip(rows[::2], rows[1::2]):
+        assert full.tp == 8 and full.gpus == full.tp * full.pp  # no data parallelism
+        global_batch = full.micro_batches * full.model.micro_batch
+        assert global_batch == (4 if full.gpus == 8 else full.gpus)
+        assert (full.recompute, full.sequence_parallel) == ("full", False)
+        assert (present.recompute, present.sequence_parallel) == ("selective", True)
+        same = replace(present, name=full.name, published=full.published, recompute="full",
+                       sequence_parallel=False)  # fmt: skip
+        assert same == full  # the pair differs in recomputation and SP alone
+        assert full.unit == "s" and full.software.tp_overlap == "backward"
+    assert {r.name.split()[0]: r.chunks for r in rows} == {"22B": 1, "175B": 3, "530B": 3, "1T": 1}
+
+
+def test_table_5_s_mfu_is_the_model_convention_over_the_a100_peak():
+    # Table 5's MFU from its own seconds: 6N + attention FLOPs (no recomputation) per second over
+    # 312 TFLOP/s. Counting the recomputation (the "megatron" convention) misses by 14 to 19 points.
+    published = {"22B": 0.415, "175B": 0.514, "530B": 0.560, "1T": 0.563}
+    for r in pub.KORTHIKANTI_TABLE_5[1::2]:
+        tokens = r.micro_batches * r.model.micro_batch * r.model.seq_len
+        mfu = flops_per_token(r.model, "model") * tokens / (r.published * r.gpus * 312e12)
+        assert mfu == pytest.approx(published[r.name.split()[0]], abs=0.003), r.name
+
+
+def test_a_row_in_seconds_reports_its_error_as_a_throughput():
+    seconds, rate = pub.KORTHIKANTI_TABLE_5[0], pub.NARAYANAN_TABLE_1[0]
+    assert pub.error(seconds, seconds.published / 2) == pytest.approx(1.0)  # twice as fast
+    assert pub.error(rate, rate.published * 2) == pytest.approx(1.0)
+    value, t = pub.predict(seconds)
+    assert value == t.total and pub.median_abs_error([seconds])[1] == [pub.error(seconds, value)]
+
+
+def test_the_530b_run_with_8_way_data_parallelism():
+    dp8, present = pub.KORTHIKANTI_530B_DP8, pub.KORTHIKANTI_TABLE_5[5]
+    assert dp8.gpus == 8 * present.gpus and dp8.micro_batches == present.micro_batches
+    assert not dp8.software.dp_overlap and dp8.published == 39.15
+    added = pub.predict(dp8)[0] - pub.predict(present)[0]
+    assert 0 < added < (dp8.published - present.published) / 3  # the model's DP term is short
