@@ -9,10 +9,9 @@ model's prediction of each: the runs notebook 18 checks the model against, none 
   tp, pp, micro-batch and global batch, layers, hidden size, heads, DDP implementation, layers
   per virtual stage; ``CONFIG.sh``: fp16, sequence 2048; vocabulary 51,200 per the README).
 * :data:`NARAYANAN_TABLE_2`: the same paper's Table 2, PTD-P against ZeRO-3 (175B and 530B
-  parameters), from a transcription of the paper's text (a public reading note, not the
-  authors'); the ZeRO-3 rows with model-parallel size 2 are left out (what that size means for
-  ZeRO-3 could not be checked here). The table gives no layers per virtual stage: the 530B
-  rows use Table 1's (run_table_1.sh), the 175B rows none.
+  parameters), every row, read from an image of the typeset table
+  (``cli99/llm-analysis``, ``figures/megatron-lm-2nd-table-2.png`` at d841e40). The table gives
+  no layers per virtual stage: the 530B rows use Table 1's (run_table_1.sh), the 175B rows none.
 * :data:`TORCHTITAN_RUNS`: torchtitan's ``benchmarks/llama3_h100_202412_torchtitan.md`` (at
   31a17bf; torchtitan 9dec370) Tables 1, 3 and 5, tokens/s per GPU.
 
@@ -137,7 +136,7 @@ def _table_2(scheme, billions, gpus, batch, mbs, tflops):
     return Run(
         f"{billions}B {scheme}, {gpus} GPUs", _gpt(layers, hidden, heads, mbs), gpus, tp, pp,
         batch // (dp * mbs), tflops, "TFLOP/s", A100_SELENE, software,
-        "Narayanan et al. 2021 Table 2 (a transcription)", zero=3 if scheme == "ZeRO-3" else 0,
+        "Narayanan et al. 2021 Table 2", zero=3 if scheme == "ZeRO-3" else 0,
         chunks=chunks,
     )  # fmt: skip
 
@@ -147,8 +146,10 @@ NARAYANAN_TABLE_2: tuple[Run, ...] = tuple(
     _table_2(*row)
     for row in (
         ("ZeRO-3", 174.6, 384, 1536, 4, 144),
+        ("ZeRO-3", 174.6, 768, 1536, 2, 88),
         ("ZeRO-3", 174.6, 1536, 1536, 1, 44),
         ("ZeRO-3", 529.6, 640, 2560, 4, 138),
+        ("ZeRO-3", 529.6, 1120, 2240, 2, 98),
         ("ZeRO-3", 529.6, 2240, 2240, 1, 48),
         ("PTD-P", 174.6, 384, 1536, 1, 153),
         ("PTD-P", 174.6, 768, 1536, 1, 149),

@@ -117,3 +117,13 @@ def test_the_530b_run_with_8_way_data_parallelism():
     assert not dp8.software.dp_overlap and dp8.published == 39.15
     added = pub.predict(dp8)[0] - pub.predict(present)[0]
     assert 0 < added < (dp8.published - present.published) / 3  # the model's DP term is short
+
+
+def test_table_2_has_every_row_of_the_typeset_table():
+    rows = pub.NARAYANAN_TABLE_2
+    assert len(rows) == 12 and sum(r.zero == 3 for r in rows) == 6
+    for r in rows:
+        dp = r.gpus // (r.tp * r.pp)
+        batch = r.micro_batches * dp * r.model.micro_batch
+        assert batch == (2560 if r.gpus == 640 else 1536 if r.model.layers == 96 else 2240), r.name
+        assert r.tp * r.pp == (1 if r.zero == 3 else 96 if r.model.layers == 96 else 280), r.name
