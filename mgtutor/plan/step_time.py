@@ -149,11 +149,14 @@ def step_time(
         "pp": hardware.group_link(gpus, 1),
     }
     sp = plan.sequence_parallel and t > 1
+    # The products' precision: float32 gradients ("mixed_fp32_grads") change the bytes reduced,
+    # not the 16-bit products.
+    products = precision or ("mixed" if plan.precision == "mixed_fp32_grads" else plan.precision)
     lt = layer_times(
-        model, hardware.device, precision or plan.precision, t, sequence_parallel=sp,
+        model, hardware.device, products, t, sequence_parallel=sp,
         recompute=recompute, attention=software.attention, dropout=software.dropout,
     )  # fmt: skip
-    lf, lb, loss_f, loss_b = logits_times(model, hardware.device, precision or plan.precision, t)
+    lf, lb, loss_f, loss_b = logits_times(model, hardware.device, products, t)
     tp_f, tp_b, tp_rc = _tp_seconds(plan, links["tp"], math.ceil(model.layers / p), recompute)
     window_b = lt.wgrad_first + (lt.dgrad_first if sp else 0.0)
     window_b = overlap * window_b if software.tp_overlap in ("backward", "all") else 0.0
