@@ -7,7 +7,7 @@ What you read is what the notebooks hold: the outputs of their last run on the p
 machine (gloo, one process per rank), figures included. Nothing is executed and nothing is
 downloaded, neither here nor when a page is opened: the pages load no script, style or font
 from the network, so they read the same offline. It takes about 15 s on a 2-core machine with
-nothing else running (15 s, 2026-11-30) and needs nbconvert (installed with JupyterLab) and
+nothing else running (2026-11-30) and needs nbconvert (installed with JupyterLab) and
 latex2mathml (requirements.txt).
 
 Math is turned into MathML here, which the browser draws itself (nbconvert's pages would load

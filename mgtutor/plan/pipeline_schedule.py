@@ -127,5 +127,5 @@ def simulate(
 @lru_cache(maxsize=1)
 def _orders(stages: int, micro_batches: int, chunks: int, schedule: str) -> tuple[tuple, ...]:
     """Every stage's :func:`order`, kept for the next call: ``step_time`` plays each pipeline
-    twice (with its sends and without), and building the orders took a third of the time."""
+    twice (with its sends and without), and building the orders took a quarter of the time."""
     return tuple(tuple(order(r, stages, micro_batches, chunks, schedule)) for r in range(stages))
