@@ -128,7 +128,7 @@ def test_the_530b_run_with_8_way_data_parallelism():
     added = [pub.predict(dp8, precision=g)[0] - pub.predict(present, precision=g)[0]
              for g in ("mixed", "mixed_fp32_grads")]  # fmt: skip
     assert 0 < added[0] < added[1] < published / 2  # short of the published either way
-    # ... and a ring all-reduce of one stage's 16-bit gradients over the 8 replicas' NICs
+    # ... and a ring all-reduce of the average stage's 16-bit gradients over the replicas' NICs
     ring = 2 * 7 / 8 * 2 * dp8.model.total / (dp8.tp * dp8.pp) / dp8.hardware.inter.bandwidth
     assert 1 <= added[0] / ring < 1.1  # the first stage also holds the embedding
     assert pub.predict(present, precision="mixed_fp32_grads")[0] == pytest.approx(
